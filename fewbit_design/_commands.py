@@ -1,0 +1,3 @@
+"""Imports every module that registers a ``fewbit-design`` subcommand on :data:`fewbit_design.cli.cli`."""
+
+from . import cli_design  # noqa: F401

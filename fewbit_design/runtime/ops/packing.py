@@ -1,0 +1,55 @@
+"""Bit packing of codes: b bits per element, the layout shared by every op that stores codes.
+
+Layout: elements are taken in flattened (contiguous) order in groups of 8; a group is stored in ``bits`` bytes;
+element k of a group occupies bits [k*bits, (k+1)*bits) of the little-endian ``bits``-byte word; the last
+group is zero-padded. n elements therefore take exactly ceil(n / 8) * bits bytes.
+
+The functions here are the pure-torch reference (any device). Kernels elsewhere must match them bitwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import FewBitError
+
+__all__ = ["packed_nbytes", "pack_reference", "unpack_reference"]
+
+
+def packed_nbytes(numel: int, bits: int) -> int:
+    """Bytes taken by ``numel`` codes of ``bits`` bits: ceil(numel / 8) * bits."""
+    return -(-int(numel) // 8) * int(bits)
+
+
+def _check_bits(bits: int) -> None:
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise FewBitError(f"bits must be an integer from 1 to 8, got {bits!r}")
+
+
+def pack_reference(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Pack integer codes in [0, 2**bits) (any shape, flattened in contiguous order) into a uint8 tensor."""
+    _check_bits(bits)
+    flat = codes.reshape(-1).to(torch.int64)
+    numel = flat.numel()
+    groups = -(-numel // 8)
+    padded = torch.zeros(groups * 8, dtype=torch.int64, device=codes.device)
+    padded[:numel] = flat & ((1 << bits) - 1)
+    shifts = torch.arange(8, device=codes.device, dtype=torch.int64) * bits
+    # word = sum_k code_k << (k * bits); int64 wraps for bits = 8, the byte extraction below is still exact
+    words = (padded.view(groups, 8) << shifts).sum(dim=1)
+    byte_shifts = torch.arange(bits, device=codes.device, dtype=torch.int64) * 8
+    packed = (words.unsqueeze(1) >> byte_shifts) & 0xFF
+    return packed.to(torch.uint8).reshape(-1)
+
+
+def unpack_reference(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """Inverse of :func:`pack_reference`: the first ``numel`` codes as an int64 tensor (flat)."""
+    _check_bits(bits)
+    groups = -(-int(numel) // 8)
+    if packed.numel() != groups * bits:
+        raise FewBitError(f"packed codes must have ceil({numel}/8)*{bits} = {groups * bits} bytes, got {packed.numel()}")
+    byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
+    words = (packed.view(groups, bits).to(torch.int64) << byte_shifts).sum(dim=1)
+    shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
+    codes = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
+    return codes.reshape(-1)[:numel]

@@ -1,0 +1,263 @@
+"""Few-bit derivative tables: the ``fewbit-table/1`` JSON format, validation, atomic writes.
+
+A table is a quantizer of x: sorted finite ``boundaries`` t_1 < ... < t_{M-1} cut the real line into M
+intervals (the first and last unbounded); interval m = number of boundaries <= x (a point on a boundary
+belongs to the interval on its right); interval m has ``codes[m]`` in [0, 2**bits); code c has ``levels[c]``.
+The approximation of f'(x) is q(x) = levels[codes[interval(x)]].
+
+This module needs only numpy and the standard library: the runtime loads tables through it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import FewBitError
+
+__all__ = ["FORMAT", "MODES", "Table", "load", "loads", "format_float"]
+
+FORMAT = "fewbit-table/1"
+MODES = ("levelsets", "intervals")
+_SIGNIFICANT_DIGITS = 12
+
+
+def format_float(value: float) -> float:
+    """Round to the fixed precision tables are written with (12 significant digits).
+
+    Written files are then the same bytes on every machine even when the last bits of a computation differ.
+    """
+    value = float(value)
+    if value == 0.0 or not math.isfinite(value):
+        return 0.0 if value == 0.0 else value
+    return float(f"{value:.{_SIGNIFICANT_DIGITS}g}")
+
+
+def _fail(source: str | None, name: str, message: str) -> FewBitError:
+    where = f"table {source!r}" if source else "table"
+    return FewBitError(f"{where}: field {name!r} {message}")
+
+
+@dataclass(frozen=True, eq=False)
+class Table:
+    """A validated few-bit table. Build it with :func:`fewbit_design.design` or load it with :func:`load`.
+
+    >>> t = Table(activation="relu", params={}, bits=1, mode="levelsets", symmetric=False,
+    ...           weight={"kind": "uniform", "low": -10.0, "high": 10.0},
+    ...           boundaries=[0.0], codes=[0, 1], levels=[0.0, 1.0], error=0.0, snr_db=None)
+    >>> t.q([-1.0, 0.0, 2.0]).tolist()
+    [0.0, 1.0, 1.0]
+    """
+
+    activation: str
+    params: dict[str, Any]
+    bits: int
+    mode: str
+    symmetric: bool
+    weight: dict[str, Any]
+    boundaries: np.ndarray
+    codes: np.ndarray
+    levels: np.ndarray
+    error: float
+    snr_db: float | None
+    design: dict[str, Any] = field(default_factory=dict)
+    source: str | None = None
+
+    def __post_init__(self) -> None:
+        set_ = object.__setattr__
+        set_(self, "boundaries", np.asarray(self.boundaries, dtype=np.float64))
+        codes = np.asarray(self.codes)
+        if codes.dtype.kind == "f" and np.all(codes == np.round(codes)):
+            codes = codes.astype(np.int64)
+        set_(self, "codes", codes)
+        set_(self, "levels", np.asarray(self.levels, dtype=np.float64))
+        _validate(self, self.source)
+        set_(self, "codes", self.codes.astype(np.int64))
+        for array in (self.boundaries, self.codes, self.levels):
+            array.setflags(write=False)
+
+    # ------------------------------------------------------------------ evaluation
+    @property
+    def intervals(self) -> int:
+        """Number of intervals M = len(boundaries) + 1."""
+        return len(self.codes)
+
+    def interval(self, x: Any) -> np.ndarray:
+        """Interval index of each x (a point on a boundary belongs to the interval on its right)."""
+        return np.searchsorted(self.boundaries, np.asarray(x, dtype=np.float64), side="right")
+
+    def code(self, x: Any) -> np.ndarray:
+        """The code stored for each x."""
+        return self.codes[self.interval(x)]
+
+    def q(self, x: Any) -> np.ndarray:
+        """The piecewise-constant approximation q(x) = levels[codes[interval(x)]]."""
+        return self.levels[self.code(x)]
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT,
+            "activation": self.activation,
+            "params": dict(self.params),
+            "bits": int(self.bits),
+            "mode": self.mode,
+            "symmetric": bool(self.symmetric),
+            "weight": dict(self.weight),
+            "boundaries": [format_float(b) for b in self.boundaries],
+            "codes": [int(c) for c in self.codes],
+            "levels": [format_float(y) for y in self.levels],
+            "error": format_float(self.error),
+            "snr_db": None if self.snr_db is None else format_float(self.snr_db),
+            "design": dict(self.design),
+        }
+
+    def to_json(self) -> str:
+        """The table as ``fewbit-table/1`` JSON text (deterministic: fixed key order and float precision)."""
+        return json.dumps(self.to_dict(), indent=1, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str | None = None) -> Table:
+        """Validate a parsed JSON object and build a table; errors name ``source`` and the field."""
+        if not isinstance(data, dict):
+            raise FewBitError(f"table {source!r}: expected a JSON object, got {type(data).__name__}")
+        if data.get("format") != FORMAT:
+            raise _fail(source, "format", f"must be {FORMAT!r}, got {data.get('format')!r}")
+        required = ("activation", "bits", "mode", "boundaries", "codes", "levels")
+        for name in required:
+            if name not in data:
+                raise _fail(source, name, "is missing")
+        kwargs = {
+            "activation": data["activation"],
+            "params": data.get("params", {}),
+            "bits": data["bits"],
+            "mode": data["mode"],
+            "symmetric": data.get("symmetric", False),
+            "weight": data.get("weight", {}),
+            "error": data.get("error", float("nan")),
+            "snr_db": data.get("snr_db"),
+            "design": data.get("design", {}),
+            "source": source,
+        }
+        for name in ("boundaries", "codes", "levels"):
+            value = data[name]
+            if not isinstance(value, list) or not all(
+                isinstance(v, int | float) and not isinstance(v, bool) for v in value
+            ):
+                raise _fail(source, name, "must be a list of numbers")
+            kwargs[name] = value
+        return cls(**kwargs)
+
+    def save(self, path: str | os.PathLike, *, force: bool = False) -> Path:
+        """Write the table atomically (temporary file, then rename). Refuses to overwrite unless ``force``."""
+        return write_text_atomic(path, self.to_json(), force=force)
+
+    def __repr__(self) -> str:
+        return (
+            f"Table({self.activation!r}, bits={self.bits}, mode={self.mode!r}, intervals={self.intervals}, "
+            f"weight={self.weight.get('kind')!r}, error={self.error:.4g})"
+        )
+
+
+def _validate(table: Table, source: str | None) -> None:
+    if not isinstance(table.activation, str) or not table.activation:
+        raise _fail(source, "activation", f"must be a non-empty string, got {table.activation!r}")
+    if not isinstance(table.params, dict):
+        raise _fail(source, "params", f"must be an object, got {table.params!r}")
+    bits = table.bits
+    if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
+        raise _fail(source, "bits", f"must be an integer from 1 to 8, got {bits!r}")
+    if table.mode not in MODES:
+        raise _fail(source, "mode", f"must be 'levelsets' or 'intervals', got {table.mode!r}")
+    if not isinstance(table.symmetric, bool):
+        raise _fail(source, "symmetric", f"must be true or false, got {table.symmetric!r}")
+    if not isinstance(table.weight, dict):
+        raise _fail(source, "weight", f"must be an object, got {table.weight!r}")
+    b, c, y = table.boundaries, table.codes, table.levels
+    if b.ndim != 1 or not np.all(np.isfinite(b)):
+        raise _fail(source, "boundaries", "must be a list of finite numbers")
+    if b.size > 1 and not np.all(np.diff(b) > 0):
+        i = int(np.argmin(np.diff(b) > 0))
+        raise _fail(source, "boundaries", f"must be strictly increasing (index {i + 1}: {b[i + 1]!r} <= {b[i]!r})")
+    if c.ndim != 1 or c.dtype.kind not in "iu":
+        raise _fail(source, "codes", "must be a list of integers")
+    if c.size != b.size + 1:
+        raise _fail(source, "codes", f"must have len(boundaries) + 1 = {b.size + 1} entries, got {c.size}")
+    if y.ndim != 1 or y.size < 1 or y.size > 2**bits or not np.all(np.isfinite(y)):
+        raise _fail(source, "levels", f"must be 1 to {2**bits} finite numbers (one per code), got {y.size}")
+    if c.size and (c.min() < 0 or c.max() >= y.size):
+        bad = int(c[(c < 0) | (c >= y.size)][0])
+        raise _fail(source, "codes", f"must be in [0, {y.size}) (one level per code), got {bad}")
+    error = table.error
+    if not isinstance(error, int | float | np.floating) or not (math.isnan(error) or error >= 0):
+        raise _fail(source, "error", f"must be a number >= 0, got {error!r}")
+    snr = table.snr_db
+    if snr is not None and (not isinstance(snr, int | float | np.floating) or not math.isfinite(snr)):
+        raise _fail(source, "snr_db", f"must be a finite number or null, got {snr!r}")
+    if not isinstance(table.design, dict):
+        raise _fail(source, "design", f"must be an object, got {table.design!r}")
+
+
+def loads(text: str, source: str | None = None) -> Table:
+    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval)."""
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    return Table.from_dict(data, source=source)
+
+
+def load(path: str | os.PathLike) -> Table:
+    """Load and validate a table file; a bad file raises one :class:`FewBitError` naming the file and field."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise FewBitError(f"table file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FewBitError(f"table file {str(path)!r} cannot be read: {exc}") from None
+    return loads(text, source=str(path))
+
+
+def check_writable(path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Check, before any work, that ``path`` can be written (and is new unless ``force``)."""
+    path = Path(path)
+    if path.is_dir():
+        raise FewBitError(f"output path {str(path)!r} is a directory; give a file name")
+    if path.exists() and not force:
+        raise FewBitError(f"output file {str(path)!r} exists; pass --force (force=True) to overwrite it")
+    parent = path.parent if str(path.parent) else Path(".")
+    if not parent.is_dir():
+        raise FewBitError(f"output directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK):
+        raise FewBitError(f"output directory {str(parent)!r} is not writable")
+    return path
+
+
+def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, force: bool = False) -> Path:
+    """Write ``data`` to ``path`` through a temporary file and a rename: never a partial file."""
+    path = check_writable(path, force=force)
+    parent = path.parent if str(path.parent) else Path(".")
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    try:
+        with os.fdopen(fd, "wb") as handle:
+            handle.write(data)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    return path
+
+
+def write_text_atomic(path: str | os.PathLike, text: str, *, force: bool = False) -> Path:
+    return write_bytes_atomic(path, text.encode("utf-8"), force=force)
