@@ -10,7 +10,16 @@ import difflib
 import math
 from collections.abc import Iterable
 
-__all__ = ["FewBitError", "check_choice", "check_bits", "check_range", "check_positive", "close_matches"]
+__all__ = [
+    "FewBitError",
+    "check_choice",
+    "check_bits",
+    "check_range",
+    "check_positive",
+    "check_finite",
+    "close_matches",
+    "parse_int_spec",
+]
 
 
 class FewBitError(ValueError):
@@ -74,3 +83,26 @@ def check_range(low: object, high: object, name: str = "range") -> tuple[float, 
     if not a < b:
         raise FewBitError(f"{name} must satisfy A < B, got A={a:g}, B={b:g}")
     return a, b
+
+
+def parse_int_spec(text: object, *, name: str = "bits", low: int = 1, high: int = 8) -> list[int]:
+    """Parse a number, a range ``1-4`` or a list ``1,3,4`` (or a mix ``1-3,6``) into sorted distinct integers.
+
+    >>> parse_int_spec("1-3,6")
+    [1, 2, 3, 6]
+    """
+    values: set[int] = set()
+    parts = [p.strip() for p in str(text).split(",")]
+    for part in parts:
+        start, sep, stop = part.partition("-")
+        try:
+            first = int(start)
+            last = int(stop) if sep else first
+        except ValueError:
+            raise FewBitError(f"{name} must be a number, a range like 1-4 or a list like 1,3,4; got {text!r}") from None
+        if first > last:
+            raise FewBitError(f"{name} range must go up, got {part!r}")
+        if first < low or last > high:
+            raise FewBitError(f"{name} must be from {low} to {high}, got {text!r}")
+        values.update(range(first, last + 1))
+    return sorted(values)
