@@ -1,3 +1,4 @@
 """Imports every module that registers a ``fewbit-design`` subcommand on :data:`fewbit_design.cli.cli`."""
 
 from . import cli_design  # noqa: F401
+from . import cli_tables  # noqa: F401

@@ -1,0 +1,217 @@
+"""``fewbit-design tables build|verify``, ``fewbit-design plot`` and ``fewbit-design curves``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from .cli import cli
+from .errors import FewBitError, parse_int_spec
+from .table import check_writable
+
+WEIGHT_KINDS = ("uniform", "normal", "laplace", "student-t", "empirical")
+# Activations of the default `curves` figure: the paper's Table 1 and the other smooth ones.
+DEFAULT_CURVES = ("gelu", "silu", "mish", "selu", "elu", "softplus", "sigmoid", "tanh", "logsigmoid", "softsign")
+
+
+def _progress(total: int, label: str):
+    return click.progressbar(length=total, label=label, file=sys.stderr, show_pos=True, show_eta=True)
+
+
+@cli.group("tables")
+def tables_group() -> None:
+    """Build or verify the shipped table set (every activation x bits 1-8 x both modes x two weights)."""
+
+
+@tables_group.command("build")
+@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
+              help="Output folder (default: the package's shipped tables folder).")
+@click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores).")
+@click.option("--activation", "activations", multiple=True, help="Only these activations (repeatable).")
+def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]) -> None:
+    """Regenerate every shipped table deterministically (same bytes on every run)."""
+    from . import activations as registry
+    from .shipped import build, table_specs
+
+    names = [registry.get(name).name for name in activations] or None
+    total = len(table_specs(names))
+    start = time.perf_counter()
+    with _progress(total, "designing tables") as bar:
+        root = build(out, jobs=jobs, activations=names, progress=lambda _spec: bar.update(1))
+    click.echo(f"wrote {total} tables and index.json to {root} in {time.perf_counter() - start:.1f} s")
+
+
+@tables_group.command("verify")
+@click.option("--dir", "root", type=click.Path(file_okay=False), default=None,
+              help="Tables folder to check (default: the shipped one).")
+@click.option("--sample", type=click.IntRange(min=1), default=None,
+              help="Recompute only N tables, chosen to cover every activation (default: all).")
+@click.option("--seed", type=int, default=0, help="Seed of the sample.")
+def tables_verify(root: str | None, sample: int | None, seed: int) -> None:
+    """Validate every shipped table and recompute them (or a sample); fail naming the table and field."""
+    from .shipped import read_index, sample_specs, table_specs, verify
+
+    read_index(root)  # a missing or broken index is one clear error, before any work
+    count = len(table_specs()) if sample is None else len(sample_specs(table_specs(), sample, seed=seed))
+    with _progress(count, "recomputing tables") as bar:
+        problems = verify(root, sample=sample, seed=seed, progress=lambda _spec: bar.update(1))
+    if problems:
+        for problem in problems:
+            click.echo(f"FAIL {problem}", err=True)
+        raise FewBitError(f"tables verify found {len(problems)} problem(s); the first: {problems[0]}")
+    click.echo(f"ok: every table validates; {count} recomputed within 1e-9 relative")
+
+
+def weight_options(function):
+    """The weight options shared by `plot` and `curves`."""
+    options = [
+        click.option("--weight", type=click.Choice(WEIGHT_KINDS), default="uniform", show_default=True,
+                     help="Weight w(x): the expected distribution of pre-activations."),
+        click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0)."),
+        click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1)."),
+        click.option("--df", type=float, default=None, help="Degrees of freedom of student-t."),
+        click.option("--samples", type=click.Path(dir_okay=False), default=None,
+                     help="A .npy file of recorded pre-activations (weight 'empirical')."),
+        click.option("--range", "design_range", type=(float, float), default=(-10.0, 10.0), show_default=True,
+                     metavar="A B", help="Design range [A, B]."),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
+
+
+def weight_kwargs(weight: str, loc, scale, df, samples, design_range) -> dict[str, Any]:
+    kwargs: dict[str, Any] = {"weight": weight, "low": design_range[0], "high": design_range[1]}
+    for name, value in (("loc", loc), ("scale", scale), ("df", df), ("samples", samples)):
+        if value is not None:
+            kwargs[name] = value
+    return kwargs
+
+
+def _shipped_weight_name(kwargs: dict[str, Any]) -> str | None:
+    """The shipped weight name matching these design keyword arguments, if any."""
+    if (kwargs.get("low"), kwargs.get("high")) != (-10.0, 10.0) or "samples" in kwargs or "df" in kwargs:
+        return None
+    if kwargs["weight"] == "uniform" and "loc" not in kwargs and "scale" not in kwargs:
+        return "uniform"
+    if kwargs["weight"] == "normal" and kwargs.get("loc", 0.0) == 0.0 and kwargs.get("scale", 1.0) == 1.0:
+        return "normal"
+    return None
+
+
+def get_table(bound, bits: int, mode: str, kwargs: dict[str, Any]):
+    """The shipped table for this request when there is one, else a freshly designed one.
+
+    In intervals mode an activation with an even derivative gets the symmetric design (as shipped).
+    """
+    from .design import design
+    from .shipped import TABLES_DIR, TableSpec
+    from .table import load
+
+    symmetric = mode == "intervals" and bound.even
+    weight_name = _shipped_weight_name(kwargs)
+    if weight_name is not None and bound.params == bound.activation.bind().params:
+        spec = TableSpec(bound.name, bits, mode, symmetric, weight_name)
+        path = TABLES_DIR / spec.file
+        if path.exists():
+            return load(path)
+    return design(bound, bits, mode=mode, symmetric=symmetric, **kwargs)
+
+
+def _param_dict(params: tuple[str, ...]) -> dict[str, Any]:
+    from .activations import parse_param
+
+    return dict(parse_param(text) for text in params)
+
+
+@cli.command("plot")
+@click.argument("activation")
+@click.option("--bits", "bits_spec", default="1-4", show_default=True, help="A number, a range 1-4 or a list 1,3,4.")
+@click.option("--mode", type=click.Choice(["levelsets", "intervals"]), default="levelsets", show_default=True)
+@weight_options
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Activation parameter (repeatable).")
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
+def plot_command(activation, bits_spec, mode, weight, loc, scale, df, samples, design_range, params, out, force):
+    """One panel per bit width: f'(x), the step function q(x), the weight shaded, the error in the title."""
+    from .activations import bind
+
+    bits_list = parse_int_spec(bits_spec, name="--bits")
+    bound = bind(activation, _param_dict(params))
+    kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
+    check_writable(out, force=force)
+    tables = [get_table(bound, bits, mode, kwargs) for bits in bits_list]
+    from .plots import plot_bits_grid
+    from .weights import make_weight
+
+    plot_bits_grid(tables, bound, make_weight(**_weight_only(kwargs)), out)
+    click.echo(f"wrote {out}")
+
+
+def _weight_only(kwargs: dict[str, Any]) -> dict[str, Any]:
+    result = {("kind" if k == "weight" else k): v for k, v in kwargs.items()}
+    return result
+
+
+@cli.command("curves")
+@click.argument("activations", nargs=-1)
+@click.option("--bits", "bits_spec", default="1-8", show_default=True, help="A number, a range 1-8 or a list 1,3,4.")
+@weight_options
+@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Also write the numbers as CSV.")
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+def curves_command(activations, bits_spec, weight, loc, scale, df, samples, design_range, out, csv_path, force):
+    """Error (log scale) and SNR in dB against bits, both modes side by side; the numbers as a text table."""
+    from .activations import bind
+
+    bits_list = parse_int_spec(bits_spec, name="--bits")
+    bounds = [bind(name) for name in (activations or DEFAULT_CURVES)]
+    kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
+    check_writable(out, force=force)
+    if csv_path:
+        check_writable(csv_path, force=force)
+    rows = []
+    for bound in bounds:
+        for mode in ("levelsets", "intervals"):
+            for bits in bits_list:
+                table = get_table(bound, bits, mode, kwargs)
+                rows.append({"activation": bound.name, "mode": mode, "symmetric": table.symmetric, "bits": bits,
+                             "error": table.error, "snr_db": table.snr_db})
+    click.echo(format_curves_table(rows, bits_list))
+    from .plots import plot_curves
+
+    plot_curves(rows, out, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]")
+    if csv_path:
+        write_curves_csv(rows, csv_path, force=force)
+    click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else ""))
+
+
+def format_curves_table(rows: list[dict[str, Any]], bits_list: list[int]) -> str:
+    """Rows activations, columns bits, one block per mode (like the paper's Table 1)."""
+    lines = []
+    names = list(dict.fromkeys(row["activation"] for row in rows))
+    width = max(len(name) for name in names) + 2
+    for mode in ("levelsets", "intervals"):
+        lines.append(f"error, mode {mode}" + (" (symmetric where f' is even)" if mode == "intervals" else ""))
+        lines.append(" " * width + "".join(f"{b:>10d}-bit" for b in bits_list))
+        for name in names:
+            cells = {row["bits"]: row["error"] for row in rows if row["activation"] == name and row["mode"] == mode}
+            lines.append(f"{name:<{width}}" + "".join(f"{cells[b]:>14.4g}" for b in bits_list))
+        lines.append("")
+    return "\n".join(lines).rstrip()
+
+
+def write_curves_csv(rows: list[dict[str, Any]], path: str, *, force: bool) -> None:
+    from .table import write_text_atomic
+
+    header = "activation,mode,symmetric,bits,error,snr_db"
+    lines = [header] + [
+        f"{r['activation']},{r['mode']},{str(r['symmetric']).lower()},{r['bits']},{r['error']:.12g},"
+        + ("" if r["snr_db"] is None else f"{r['snr_db']:.6f}")
+        for r in rows
+    ]
+    write_text_atomic(Path(path), "\n".join(lines) + "\n", force=force)

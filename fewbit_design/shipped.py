@@ -1,0 +1,299 @@
+"""The shipped table set: what it contains, how it is built deterministically, and how it is verified.
+
+The set is every registry activation at torch's default parameters x bits 1..8 x two modes (``levelsets``;
+``intervals``, with ``symmetric`` where f' is even) x two weights: ``uniform`` (w = 1 on [-10, 10]) and
+``normal`` (the standard normal density on [-10, 10]). Files live in ``fewbit_design/tables/<activation>/`` and
+``fewbit_design/tables/index.json`` lists every table with its key and error, so the runtime finds a table
+without scanning (format ``fewbit-index/1``).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .errors import FewBitError
+from .table import Table, load, write_text_atomic
+
+__all__ = [
+    "INDEX_FORMAT",
+    "TABLES_DIR",
+    "SHIPPED_WEIGHTS",
+    "TableSpec",
+    "table_specs",
+    "build_table",
+    "build",
+    "verify",
+    "read_index",
+]
+
+INDEX_FORMAT = "fewbit-index/1"
+TABLES_DIR = Path(__file__).resolve().parent / "tables"
+RANGE = (-10.0, 10.0)
+# weight name in the index -> keyword arguments of design()
+SHIPPED_WEIGHTS: dict[str, dict[str, Any]] = {
+    "uniform": {"weight": "uniform"},
+    "normal": {"weight": "normal", "loc": 0.0, "scale": 1.0},
+}
+BITS = tuple(range(1, 9))
+MODES = ("levelsets", "intervals")
+RELATIVE_TOLERANCE = 1e-9
+
+
+@dataclass(frozen=True)
+class TableSpec:
+    """One table of the shipped set."""
+
+    activation: str
+    bits: int
+    mode: str
+    symmetric: bool
+    weight: str
+
+    @property
+    def file(self) -> str:
+        """Path relative to the tables folder, e.g. ``gelu/levelsets-uniform-3bit.json``."""
+        mode = "intervals-symmetric" if self.symmetric else self.mode
+        return f"{self.activation}/{mode}-{self.weight}-{self.bits}bit.json"
+
+    def design(self) -> Table:
+        """Compute this table (deterministic: fixed range, default grid and refinement)."""
+        from .design import design
+
+        return design(
+            self.activation,
+            self.bits,
+            mode=self.mode,
+            symmetric=self.symmetric,
+            low=RANGE[0],
+            high=RANGE[1],
+            **SHIPPED_WEIGHTS[self.weight],
+        )
+
+
+def table_specs(activations: Iterable[str] | None = None) -> list[TableSpec]:
+    """Every table of the shipped set, in a fixed order (optionally only for some activations)."""
+    from . import activations as registry
+
+    names = list(activations) if activations is not None else registry.names()
+    specs = []
+    for name in names:
+        bound = registry.bind(name)
+        for weight in SHIPPED_WEIGHTS:
+            for mode in MODES:
+                symmetric = mode == "intervals" and bound.even
+                for bits in BITS:
+                    specs.append(TableSpec(bound.name, bits, mode, symmetric, weight))
+    return specs
+
+
+def build_table(spec: TableSpec) -> tuple[TableSpec, str]:
+    """Design one table and return its JSON text (runs in worker processes)."""
+    return spec, spec.design().to_json()
+
+
+def _index_entry(spec: TableSpec, table: Table) -> dict[str, Any]:
+    return {
+        "file": spec.file,
+        "activation": table.activation,
+        "params": dict(table.params),
+        "bits": table.bits,
+        "mode": table.mode,
+        "symmetric": table.symmetric,
+        "weight": spec.weight,
+        "error": table.to_dict()["error"],
+    }
+
+
+def _index_text(entries: list[dict[str, Any]]) -> str:
+    document = {"format": INDEX_FORMAT, "range": list(RANGE), "tables": entries}
+    return json.dumps(document, indent=1) + "\n"
+
+
+def _worker_init() -> None:
+    # One numba thread per worker process: the processes already use every core.
+    try:
+        import numba
+
+        numba.set_num_threads(1)
+    except Exception:  # pragma: no cover - numba missing or threading layer refuses; the build still works
+        pass
+
+
+def build(
+    out: str | os.PathLike | None = None,
+    *,
+    jobs: int | None = None,
+    activations: Sequence[str] | None = None,
+    progress: Callable[[TableSpec], None] | None = None,
+) -> Path:
+    """Regenerate the table set into ``out`` (default: the package's tables folder) and write its index.
+
+    Deterministic: the same files, byte for byte, on every run. ``jobs`` worker processes (default: all cores).
+    """
+    out = Path(out) if out is not None else TABLES_DIR
+    if out.exists() and not out.is_dir():
+        raise FewBitError(f"--out {str(out)!r} is a file; give a directory")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FewBitError(f"cannot create output directory {str(out)!r}: {exc.strerror}") from None
+    if not os.access(out, os.W_OK):
+        raise FewBitError(f"output directory {str(out)!r} is not writable")
+    specs = table_specs(activations)
+    jobs = max(1, int(jobs or os.cpu_count() or 1))
+    results: dict[TableSpec, str] = {}
+    if jobs == 1:
+        for spec in specs:
+            results[spec] = build_table(spec)[1]
+            if progress:
+                progress(spec)
+    else:
+        import multiprocessing
+        from concurrent.futures import ProcessPoolExecutor
+
+        # Most expensive first keeps the workers busy until the end.
+        order = sorted(specs, key=lambda s: (-s.bits, s.file))
+        context = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_init) as pool:
+            for spec, text in pool.map(build_table, order, chunksize=1):
+                results[spec] = text
+                if progress:
+                    progress(spec)
+    entries = []
+    for spec in specs:
+        text = results[spec]
+        path = out / spec.file
+        path.parent.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(path, text, force=True)
+        entries.append(_index_entry(spec, Table.from_dict(json.loads(text), source=str(path))))
+    write_text_atomic(out / "index.json", _index_text(entries), force=True)
+    return out
+
+
+def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
+    """Read and check ``index.json`` of a tables folder."""
+    root = Path(root) if root is not None else TABLES_DIR
+    path = root / "index.json"
+    try:
+        document = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise FewBitError(f"no table index at {str(path)!r}; run 'fewbit-design tables build'") from None
+    except (OSError, json.JSONDecodeError) as exc:
+        raise FewBitError(f"table index {str(path)!r} cannot be read: {exc}") from None
+    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
+        raise FewBitError(f"table index {str(path)!r}: field 'format' must be {INDEX_FORMAT!r}")
+    if not isinstance(document.get("tables"), list):
+        raise FewBitError(f"table index {str(path)!r}: field 'tables' must be a list")
+    return document
+
+
+def _differs(name: str, shipped: Any, fresh: Any) -> str | None:
+    """A description of how a field differs beyond the tolerance, or None."""
+    if isinstance(shipped, list) and isinstance(fresh, list):
+        if len(shipped) != len(fresh):
+            return f"field {name!r} has {len(shipped)} entries, recomputed {len(fresh)}"
+        for i, (a, b) in enumerate(zip(shipped, fresh, strict=True)):
+            message = _differs(f"{name}[{i}]", a, b)
+            if message:
+                return message
+        return None
+    if isinstance(shipped, float | int) and isinstance(fresh, float | int) and not isinstance(shipped, bool):
+        if shipped == fresh:
+            return None
+        scale = max(abs(shipped), abs(fresh))
+        if math.isfinite(scale) and abs(shipped - fresh) <= RELATIVE_TOLERANCE * scale:
+            return None
+        return f"field {name!r} is {shipped!r}, recomputed {fresh!r} (beyond {RELATIVE_TOLERANCE:g} relative)"
+    if shipped != fresh:
+        return f"field {name!r} is {shipped!r}, recomputed {fresh!r}"
+    return None
+
+
+def compare(shipped: Table, fresh: Table) -> str | None:
+    """The first field in which two tables differ beyond the tolerance, described; None when they agree."""
+    a, b = shipped.to_dict(), fresh.to_dict()
+    for name in ("activation", "params", "bits", "mode", "symmetric", "weight", "codes"):
+        if a[name] != b[name]:
+            return f"field {name!r} is {a[name]!r}, recomputed {b[name]!r}"
+    for name in ("boundaries", "levels", "error", "snr_db"):
+        message = _differs(name, a[name], b[name])
+        if message:
+            return message
+    return None
+
+
+def sample_specs(specs: list[TableSpec], n: int, *, seed: int = 0) -> list[TableSpec]:
+    """``n`` tables chosen at random but covering every activation once before any repeats."""
+    rng = random.Random(seed)
+    by_activation: dict[str, list[TableSpec]] = {}
+    for spec in specs:
+        by_activation.setdefault(spec.activation, []).append(spec)
+    chosen: list[TableSpec] = []
+    pools = {name: rng.sample(group, len(group)) for name, group in by_activation.items()}
+    names = sorted(pools)
+    while len(chosen) < min(n, len(specs)):
+        for name in rng.sample(names, len(names)):
+            if pools[name] and len(chosen) < n:
+                chosen.append(pools[name].pop())
+    return chosen
+
+
+def verify(
+    root: str | os.PathLike | None = None,
+    *,
+    sample: int | None = None,
+    seed: int = 0,
+    progress: Callable[[TableSpec], None] | None = None,
+) -> list[str]:
+    """Check the shipped set; return the problems found (empty when it passes).
+
+    Every listed file is loaded and validated; the set must be complete; for every activation, weight and bit width
+    the level-sets error must be at most the intervals error; then every table (or ``sample`` of them, covering
+    every activation) is recomputed and compared field by field within 1e-9 relative.
+    """
+    root = Path(root) if root is not None else TABLES_DIR
+    document = read_index(root)
+    problems: list[str] = []
+    entries = {entry.get("file"): entry for entry in document["tables"]}
+    specs = table_specs()
+    tables: dict[TableSpec, Table] = {}
+    for spec in specs:
+        if spec.file not in entries:
+            problems.append(f"table {spec.file!r} is missing from the index")
+            continue
+        try:
+            table = load(root / spec.file)
+        except FewBitError as exc:
+            problems.append(str(exc))
+            continue
+        entry = entries[spec.file]
+        expected = _index_entry(spec, table)
+        if entry != expected:
+            field = next(k for k in expected if entry.get(k) != expected[k])
+            problems.append(f"index entry for {spec.file!r}: field {field!r} does not match the table file")
+        tables[spec] = table
+    extra = set(entries) - {spec.file for spec in specs}
+    problems.extend(f"index lists {name!r}, which is not part of the table set" for name in sorted(extra))
+    intervals = {(s.activation, s.weight, s.bits): t for s, t in tables.items() if s.mode == "intervals"}
+    for spec, table in tables.items():
+        twin = intervals.get((spec.activation, spec.weight, spec.bits)) if spec.mode == "levelsets" else None
+        if twin is not None and table.error > twin.error * (1 + RELATIVE_TOLERANCE) + 1e-15:
+            problems.append(
+                f"table {spec.file!r}: field 'error' {table.error:.6g} is above the intervals table's {twin.error:.6g}"
+            )
+    chosen = list(tables) if sample is None else sample_specs(list(tables), sample, seed=seed)
+    for spec in chosen:
+        fresh = spec.design()
+        message = compare(tables[spec], fresh)
+        if message:
+            problems.append(f"table {spec.file!r}: {message}")
+        if progress:
+            progress(spec)
+    return problems
