@@ -1,0 +1,710 @@
+"""The activation registry: name -> f, f', parameters and the matching torch module.
+
+Every pointwise activation of ``torch.nn`` is here under its ``torch.nn.functional`` spelling, with torch's
+parameter names and defaults. f and f' are closed forms in numpy (float64, vectorised, no overflow warnings for
+|x| up to 1e3); f' follows torch's own backward formula, including its value at kinks (for example relu'(0) = 0,
+elu'(0) = alpha, hardswish'(3) = 1, softplus' = 1 once beta * x > threshold).
+
+Terms: a registry entry is an :class:`Activation`; with complete, validated parameters it becomes a
+:class:`BoundActivation`, which is what the design engine works with. ``breakpoints`` are the x where f' is
+discontinuous or not smooth (quadrature and grids split there); ``even`` says f'(-x) == f'(x) for every x.
+
+Choices made where torch has none:
+
+* ``threshold``: ``torch.nn.Threshold(threshold, value)`` has no defaults; the registry uses threshold=0.0,
+  value=0.0 (which makes it ReLU).
+* ``softplus``: beta must be > 0 (torch accepts any beta).
+* ``inplace`` (and Hardtanh's deprecated ``min_value``/``max_value``) are left out: they do not change the math.
+* ``RReLU`` (random slope) and ``PReLU`` (learned slope) are not fixed functions and are not in the registry.
+
+A user's own activation comes from :func:`from_module` (``--activation-module pkg.mod:fn``): f by calling ``fn``
+(on a float64 torch tensor when torch is importable, else on a numpy array), f' by torch autograd, or by 6th-order
+central finite differences when torch is missing or ``fn`` is not differentiable by torch.
+
+>>> from fewbit_design import activations
+>>> gelu = activations.bind("gelu")
+>>> gelu.params
+{'approximate': 'none'}
+>>> float(gelu.df(0.0))
+0.5
+>>> activations.bind("relu6").breakpoints
+(0.0, 6.0)
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from .errors import FewBitError, close_matches
+
+__all__ = [
+    "Activation",
+    "BoundActivation",
+    "REGISTRY",
+    "names",
+    "get",
+    "bind",
+    "parse_param",
+    "from_module",
+]
+
+Params = Mapping[str, Any]
+
+# torch's SELU constants (aten/src/ATen/native/Activation.cpp).
+SELU_ALPHA = 1.6732632423543772848170429916717
+SELU_SCALE = 1.0507009873554804934193349852946
+
+
+def _array(x: object) -> np.ndarray:
+    return np.asarray(x, dtype=np.float64)
+
+
+def _expit(x: np.ndarray) -> np.ndarray:
+    from scipy.special import expit
+
+    return expit(x)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Registry entries
+
+
+@dataclass(frozen=True)
+class Activation:
+    """A registry entry: an activation with its torch names and parameter defaults.
+
+    ``defaults`` maps torch's parameter names to torch's defaults, in torch's order. Call :meth:`bind` to get a
+    :class:`BoundActivation` with complete, validated parameters.
+    """
+
+    name: str
+    torch_name: str
+    defaults: Mapping[str, object]
+    _f: Callable[[np.ndarray, Params], np.ndarray] = field(repr=False, compare=False)
+    _df: Callable[[np.ndarray, Params], np.ndarray] = field(repr=False, compare=False)
+    _breakpoints: Callable[[Params], tuple[float, ...]] = field(default=lambda p: (), repr=False, compare=False)
+    _even: Callable[[Params], bool] = field(default=lambda p: False, repr=False, compare=False)
+    _check: Callable[[str, Params], None] = field(default=lambda name, p: None, repr=False, compare=False)
+    _choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
+    description: str = field(default="", compare=False)
+    _open_params: bool = field(default=False, repr=False, compare=False)
+
+    def bind(self, params: Mapping[str, object] | None = None, **kwargs: object) -> BoundActivation:
+        """Fill in torch's defaults and validate; ``kwargs`` override ``params``.
+
+        >>> get("leaky_relu").bind(negative_slope=0.2).params
+        {'negative_slope': 0.2}
+        """
+        given = dict(params or {})
+        given.update(kwargs)
+        if self._open_params:
+            complete = {key: _json_scalar(self.name, key, value) for key, value in given.items()}
+            return BoundActivation(self, complete)
+        unknown = [key for key in given if key not in self.defaults]
+        if unknown:
+            if not self.defaults:
+                raise FewBitError(f"activation '{self.name}' takes no parameters, got {unknown[0]!r}")
+            valid = ", ".join(self.defaults)
+            hint = close_matches(unknown[0], self.defaults, n=1)
+            hint_text = f"; did you mean {hint[0]!r}?" if hint else ""
+            raise FewBitError(
+                f"activation '{self.name}' has no parameter {unknown[0]!r}{hint_text} (valid parameters: {valid})"
+            )
+        complete: dict[str, object] = {}
+        for key, default in self.defaults.items():
+            value = given.get(key, default)
+            if key in self._choices:
+                choices = self._choices[key]
+                if not (isinstance(value, str) and value in choices):
+                    options = " or ".join(repr(c) for c in choices)
+                    raise FewBitError(f"{self.name} parameter {key} must be {options}, got {value!r}")
+                complete[key] = value
+            else:
+                complete[key] = _finite_param(self.name, key, value)
+        self._check(self.name, complete)
+        return BoundActivation(self, complete)
+
+
+def _finite_param(activation: str, key: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float | np.integer | np.floating):
+        raise FewBitError(f"{activation} parameter {key} must be a finite number, got {value!r}")
+    number = float(value)
+    if not math.isfinite(number):
+        raise FewBitError(f"{activation} parameter {key} must be a finite number, got {value!r}")
+    return number
+
+
+def _json_scalar(activation: str, key: str, value: object) -> object:
+    """A user activation's keyword argument: a JSON scalar (bool, int, finite float or str)."""
+    if isinstance(value, bool | str) or value is None:
+        return value
+    if isinstance(value, int | np.integer):
+        return int(value)
+    if isinstance(value, float | np.floating) and math.isfinite(float(value)):
+        return float(value)
+    raise FewBitError(f"activation '{activation}' parameter {key} must be a number, string or bool, got {value!r}")
+
+
+@dataclass(frozen=True)
+class BoundActivation:
+    """An activation with complete, validated parameters: f, f', breakpoints and symmetry.
+
+    >>> act = bind("hardtanh", {"min_val": -2.0, "max_val": 2.0})
+    >>> act.breakpoints, act.even
+    ((-2.0, 2.0), True)
+    >>> act.df([-3.0, 0.0, 3.0]).tolist()
+    [0.0, 1.0, 0.0]
+    """
+
+    activation: Activation
+    params: dict[str, object]
+
+    def __hash__(self) -> int:
+        return hash((self.activation.name, tuple(self.params.items())))
+
+    @property
+    def name(self) -> str:
+        """The canonical name (for a user activation, the ``pkg.mod:fn`` spec)."""
+        return self.activation.name
+
+    def f(self, x: object) -> np.ndarray:
+        """The activation, vectorised, float64."""
+        return self.activation._f(_array(x), self.params)
+
+    def df(self, x: object) -> np.ndarray:
+        """The derivative f' as torch's backward computes it, vectorised, float64."""
+        return self.activation._df(_array(x), self.params)
+
+    @property
+    def breakpoints(self) -> tuple[float, ...]:
+        """Sorted x where f' is discontinuous or not smooth (may be empty)."""
+        return tuple(sorted({float(b) for b in self.activation._breakpoints(self.params)}))
+
+    @property
+    def even(self) -> bool:
+        """True when f'(-x) == f'(x) for every x with these parameters."""
+        return bool(self.activation._even(self.params))
+
+    def torch_module(self) -> Any:
+        """``torch.nn.<torch_name>(**params)`` (imports torch now)."""
+        if not self.activation.torch_name:
+            raise FewBitError(f"activation '{self.name}' has no torch.nn module (it is a user activation)")
+        import torch
+
+        return getattr(torch.nn, self.activation.torch_name)(**self.params)
+
+    def __repr__(self) -> str:
+        args = ", ".join(f"{k}={v!r}" for k, v in self.params.items())
+        return f"BoundActivation({self.name}({args}))"
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Closed forms. Each takes (x, params); x is a float64 array.
+
+
+def _relu(x, p):
+    return np.maximum(x, 0.0)
+
+
+def _step_gt(x, t):
+    return (x > t).astype(np.float64)
+
+
+def _relu6(x, p):
+    return np.minimum(np.maximum(x, 0.0), 6.0)
+
+
+def _drelu6(x, p):
+    # torch: relu6 = hardtanh(x, 0, 6); hardtanh_backward passes the gradient on the open interval only.
+    return ((x > 0.0) & (x < 6.0)).astype(np.float64)
+
+
+def _leaky_relu(x, p):
+    return np.where(x > 0.0, x, x * p["negative_slope"])
+
+
+def _dleaky_relu(x, p):
+    return np.where(x > 0.0, 1.0, p["negative_slope"])
+
+
+def _elu_family(x, alpha, scale, input_scale):
+    # torch elu: x > 0 -> scale * x, else scale * alpha * (exp(x * input_scale) - 1)
+    with np.errstate(over="ignore"):
+        negative = scale * alpha * np.expm1(np.minimum(x, 0.0) * input_scale)
+    return np.where(x > 0.0, scale * x, negative)
+
+
+def _delu_family(x, alpha, scale, input_scale):
+    # torch elu_backward (is_result=False): x <= 0 -> input_scale * scale * alpha * exp(x * input_scale), else scale
+    with np.errstate(over="ignore"):
+        negative = input_scale * scale * alpha * np.exp(np.minimum(x, 0.0) * input_scale)
+    return np.where(x <= 0.0, negative, scale)
+
+
+def _gelu(x, p):
+    if p["approximate"] == "tanh":
+        inner = math.sqrt(2.0 / math.pi) * (x + 0.044715 * x**3)
+        return 0.5 * x * (1.0 + np.tanh(inner))
+    from scipy.special import ndtr
+
+    return x * ndtr(x)
+
+
+def _dgelu(x, p):
+    if p["approximate"] == "tanh":
+        # torch GeluBackward (tanh), t = tanh(beta (x + kappa x^3)):
+        # 0.5 (1 + t) + 0.5 x (1 - t^2) beta (1 + 3 kappa x^2)
+        beta = math.sqrt(2.0 / math.pi)
+        kappa = 0.044715
+        t = np.tanh(beta * (x + kappa * x**3))
+        return 0.5 * (1.0 + t) + 0.5 * x * (1.0 - t * t) * beta * (1.0 + 3.0 * kappa * x * x)
+    from scipy.special import ndtr
+
+    # cdf + x * pdf
+    return ndtr(x) + x * np.exp(-0.5 * x * x) / math.sqrt(2.0 * math.pi)
+
+
+def _silu(x, p):
+    return x * _expit(x)
+
+
+def _dsilu(x, p):
+    s = _expit(x)
+    return s * (1.0 + x * (1.0 - s))
+
+
+def _mish(x, p):
+    return x * np.tanh(np.logaddexp(0.0, x))
+
+
+def _dmish(x, p):
+    # torch mish_backward: tanh(softplus(x)) + x * sigmoid(x) * (1 - tanh(softplus(x))^2)
+    t = np.tanh(np.logaddexp(0.0, x))
+    return t + x * _expit(x) * (1.0 - t * t)
+
+
+def _sigmoid(x, p):
+    return _expit(x)
+
+
+def _dsigmoid(x, p):
+    s = _expit(x)
+    return s * (1.0 - s)
+
+
+def _tanh(x, p):
+    return np.tanh(x)
+
+
+def _dtanh(x, p):
+    t = np.tanh(x)
+    return 1.0 - t * t
+
+
+def _softplus(x, p):
+    beta, threshold = p["beta"], p["threshold"]
+    z = x * beta
+    return np.where(z > threshold, x, np.logaddexp(0.0, z) / beta)
+
+
+def _dsoftplus(x, p):
+    # torch softplus_backward: beta x > threshold -> 1, else sigmoid(beta x)
+    z = x * p["beta"]
+    return np.where(z > p["threshold"], 1.0, _expit(z))
+
+
+def _softsign(x, p):
+    return x / (1.0 + np.abs(x))
+
+
+def _dsoftsign(x, p):
+    return 1.0 / (1.0 + np.abs(x)) ** 2
+
+
+def _hardtanh(x, p):
+    return np.minimum(np.maximum(x, p["min_val"]), p["max_val"])
+
+
+def _dhardtanh(x, p):
+    # torch hardtanh_backward: gradient on the open interval (min_val, max_val)
+    return ((x > p["min_val"]) & (x < p["max_val"])).astype(np.float64)
+
+
+def _hardsigmoid(x, p):
+    return np.minimum(np.maximum(x + 3.0, 0.0), 6.0) / 6.0
+
+
+def _dhardsigmoid(x, p):
+    # torch hardsigmoid_backward: 1/6 on the open interval (-3, 3)
+    return np.where((x > -3.0) & (x < 3.0), 1.0 / 6.0, 0.0)
+
+
+def _hardswish(x, p):
+    return x * np.minimum(np.maximum(x + 3.0, 0.0), 6.0) / 6.0
+
+
+def _dhardswish(x, p):
+    # torch 2.13 hardswish_backward: x <= -3 -> 0; -3 < x < 3 -> x / 3 + 0.5; x >= 3 -> 1
+    # (older torch releases used x < -3 and x <= 3, i.e. -0.5 and 1.5 at the kinks themselves)
+    return np.where(x <= -3.0, 0.0, np.where(x < 3.0, x / 3.0 + 0.5, 1.0))
+
+
+def _logsigmoid(x, p):
+    return -np.logaddexp(0.0, -x)
+
+
+def _dlogsigmoid(x, p):
+    return _expit(-x)
+
+
+def _tanhshrink(x, p):
+    return x - np.tanh(x)
+
+
+def _dtanhshrink(x, p):
+    t = np.tanh(x)
+    return t * t
+
+
+def _softshrink(x, p):
+    lambd = p["lambd"]
+    return np.where(x > lambd, x - lambd, np.where(x < -lambd, x + lambd, 0.0))
+
+
+def _shrink_derivative(x, p):
+    # torch softshrink_backward and hardshrink_backward: 0 on the closed interval [-lambd, lambd], else 1
+    lambd = p["lambd"]
+    return np.where((x >= -lambd) & (x <= lambd), 0.0, 1.0)
+
+
+def _hardshrink(x, p):
+    lambd = p["lambd"]
+    return np.where((x >= -lambd) & (x <= lambd), 0.0, x)
+
+
+def _threshold(x, p):
+    return np.where(x > p["threshold"], x, p["value"])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Constraints
+
+
+def _check_positive(activation: str, params: Params, key: str) -> None:
+    if not params[key] > 0:
+        raise FewBitError(f"{activation} parameter {key} must be > 0, got {params[key]!r}")
+
+
+def _check_celu(activation: str, params: Params) -> None:
+    if params["alpha"] == 0:
+        raise FewBitError(f"{activation} parameter alpha must be != 0, got {params['alpha']!r}")
+
+
+def _check_hardtanh(activation: str, params: Params) -> None:
+    if not params["min_val"] < params["max_val"]:
+        raise FewBitError(
+            f"{activation} parameters must satisfy min_val < max_val, "
+            f"got min_val={params['min_val']!r}, max_val={params['max_val']!r}"
+        )
+
+
+def _check_softshrink(activation: str, params: Params) -> None:
+    if not params["lambd"] >= 0:
+        raise FewBitError(f"{activation} parameter lambd must be >= 0, got {params['lambd']!r}")
+
+
+def _shrink_breakpoints(params: Params) -> tuple[float, ...]:
+    lambd = params["lambd"]
+    return (-lambd, lambd) if lambd >= 0 else ()
+
+
+def _entries() -> list[Activation]:
+    never = lambda p: False  # noqa: E731
+    always = lambda p: True  # noqa: E731
+    return [
+        Activation("relu", "ReLU", {}, _relu, lambda x, p: _step_gt(x, 0.0), lambda p: (0.0,), never,
+                   description="max(0, x)"),
+        Activation("relu6", "ReLU6", {}, _relu6, _drelu6, lambda p: (0.0, 6.0), never,
+                   description="min(max(0, x), 6)"),
+        Activation("leaky_relu", "LeakyReLU", {"negative_slope": 0.01}, _leaky_relu, _dleaky_relu,
+                   lambda p: (0.0,), lambda p: p["negative_slope"] == 1.0,
+                   description="x if x > 0 else negative_slope * x"),
+        Activation("elu", "ELU", {"alpha": 1.0},
+                   lambda x, p: _elu_family(x, p["alpha"], 1.0, 1.0),
+                   lambda x, p: _delu_family(x, p["alpha"], 1.0, 1.0),
+                   lambda p: (0.0,), never, description="x if x > 0 else alpha * (exp(x) - 1)"),
+        Activation("celu", "CELU", {"alpha": 1.0},
+                   lambda x, p: _elu_family(x, p["alpha"], 1.0, 1.0 / p["alpha"]),
+                   lambda x, p: _delu_family(x, p["alpha"], 1.0, 1.0 / p["alpha"]),
+                   lambda p: (0.0,), never, _check_celu,
+                   description="x if x > 0 else alpha * (exp(x / alpha) - 1)"),
+        Activation("selu", "SELU", {},
+                   lambda x, p: _elu_family(x, SELU_ALPHA, SELU_SCALE, 1.0),
+                   lambda x, p: _delu_family(x, SELU_ALPHA, SELU_SCALE, 1.0),
+                   lambda p: (0.0,), never, description="scale * elu(x, alpha) with the SELU constants"),
+        Activation("gelu", "GELU", {"approximate": "none"}, _gelu, _dgelu, lambda p: (), never,
+                   _choices={"approximate": ("none", "tanh")},
+                   description="x * Phi(x) (approximate='tanh': the tanh formula)"),
+        Activation("silu", "SiLU", {}, _silu, _dsilu, lambda p: (), never, description="x * sigmoid(x) (swish)"),
+        Activation("mish", "Mish", {}, _mish, _dmish, lambda p: (), never, description="x * tanh(softplus(x))"),
+        Activation("sigmoid", "Sigmoid", {}, _sigmoid, _dsigmoid, lambda p: (), always,
+                   description="1 / (1 + exp(-x))"),
+        Activation("tanh", "Tanh", {}, _tanh, _dtanh, lambda p: (), always, description="tanh(x)"),
+        Activation("softplus", "Softplus", {"beta": 1.0, "threshold": 20.0}, _softplus, _dsoftplus,
+                   lambda p: (p["threshold"] / p["beta"],), never,
+                   lambda name, p: _check_positive(name, p, "beta"),
+                   description="log(1 + exp(beta x)) / beta, x once beta x > threshold"),
+        Activation("softsign", "Softsign", {}, _softsign, _dsoftsign, lambda p: (0.0,), always,
+                   description="x / (1 + |x|)"),
+        Activation("hardtanh", "Hardtanh", {"min_val": -1.0, "max_val": 1.0}, _hardtanh, _dhardtanh,
+                   lambda p: (p["min_val"], p["max_val"]), lambda p: p["min_val"] == -p["max_val"], _check_hardtanh,
+                   description="clamp(x, min_val, max_val)"),
+        Activation("hardsigmoid", "Hardsigmoid", {}, _hardsigmoid, _dhardsigmoid, lambda p: (-3.0, 3.0), always,
+                   description="relu6(x + 3) / 6"),
+        Activation("hardswish", "Hardswish", {}, _hardswish, _dhardswish, lambda p: (-3.0, 3.0), never,
+                   description="x * relu6(x + 3) / 6"),
+        Activation("logsigmoid", "LogSigmoid", {}, _logsigmoid, _dlogsigmoid, lambda p: (), never,
+                   description="log(sigmoid(x))"),
+        Activation("tanhshrink", "Tanhshrink", {}, _tanhshrink, _dtanhshrink, lambda p: (), always,
+                   description="x - tanh(x)"),
+        Activation("softshrink", "Softshrink", {"lambd": 0.5}, _softshrink, _shrink_derivative,
+                   _shrink_breakpoints, always, _check_softshrink,
+                   description="x - lambd if x > lambd, x + lambd if x < -lambd, else 0"),
+        Activation("hardshrink", "Hardshrink", {"lambd": 0.5}, _hardshrink, _shrink_derivative,
+                   _shrink_breakpoints, always, description="x if |x| > lambd else 0"),
+        Activation("threshold", "Threshold", {"threshold": 0.0, "value": 0.0}, _threshold,
+                   lambda x, p: _step_gt(x, p["threshold"]), lambda p: (p["threshold"],), never,
+                   description="x if x > threshold else value (registry defaults; torch has none)"),
+    ]  # fmt: skip
+
+
+REGISTRY: dict[str, Activation] = {entry.name: entry for entry in _entries()}
+
+_ALIASES = {"swish": "silu"}
+
+
+def _key(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name.lower())
+
+
+_LOOKUP: dict[str, str] = {}
+for _entry in REGISTRY.values():
+    _LOOKUP[_key(_entry.name)] = _entry.name
+    _LOOKUP[_key(_entry.torch_name)] = _entry.name
+for _alias, _target in _ALIASES.items():
+    _LOOKUP[_key(_alias)] = _target
+del _entry, _alias, _target
+
+
+def names() -> list[str]:
+    """The canonical activation names, in registry order."""
+    return list(REGISTRY)
+
+
+def get(name: str) -> Activation:
+    """Look up an activation by its canonical name, torch class name, an alias or a case/underscore variant.
+
+    >>> get("LeakyReLU").name, get("swish").name, get("HardSwish").name
+    ('leaky_relu', 'silu', 'hardswish')
+    """
+    if isinstance(name, Activation):
+        return name
+    if not isinstance(name, str):
+        raise FewBitError(f"activation must be a name (a string), got {name!r}")
+    canonical = _LOOKUP.get(_key(name))
+    if canonical is not None:
+        return REGISTRY[canonical]
+    matches = close_matches(name, list(REGISTRY) + [e.torch_name for e in REGISTRY.values()] + list(_ALIASES))
+    suggestions: list[str] = []
+    for match in matches:
+        target = _LOOKUP[_key(match)]
+        if target not in suggestions:
+            suggestions.append(target)
+    hint = ""
+    if suggestions:
+        hint = "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
+    raise FewBitError(f"unknown activation {name!r}{hint} (fewbit-design list shows all)")
+
+
+def bind(name_or_activation: str | Activation, params: Mapping[str, object] | None = None) -> BoundActivation:
+    """``get(name).bind(params)``: the activation with complete, validated parameters.
+
+    >>> bind("softplus", {"beta": 2}).params
+    {'beta': 2.0, 'threshold': 20.0}
+    """
+    activation = name_or_activation if isinstance(name_or_activation, Activation) else get(name_or_activation)
+    return activation.bind(params)
+
+
+_NUMBER = re.compile(r"[+-]?(\d+\.?\d*([eE][+-]?\d+)?|\.\d+([eE][+-]?\d+)?|inf|infinity|nan)", re.IGNORECASE)
+_INTEGER = re.compile(r"[+-]?\d+")
+_KEY = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+
+
+def parse_param(text: str) -> tuple[str, object]:
+    """Parse a CLI ``--param KEY=VALUE``: VALUE becomes an int, float, bool (true/false) or str.
+
+    >>> parse_param("negative_slope=0.2"), parse_param("approximate=tanh"), parse_param("n=3")
+    (('negative_slope', 0.2), ('approximate', 'tanh'), ('n', 3))
+    """
+    if not isinstance(text, str) or "=" not in text:
+        raise FewBitError(f"--param must look like KEY=VALUE, got {text!r}")
+    key, value = (part.strip() for part in text.split("=", 1))
+    if not _KEY.fullmatch(key) or value == "":
+        raise FewBitError(f"--param must look like KEY=VALUE, got {text!r}")
+    if len(value) >= 2 and value[0] == value[-1] and value[0] in "'\"":
+        return key, value[1:-1]
+    if _INTEGER.fullmatch(value):
+        return key, int(value)
+    if _NUMBER.fullmatch(value):
+        return key, float(value)
+    if value.lower() in ("true", "false"):
+        return key, value.lower() == "true"
+    return key, value
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# User activations
+
+
+def _torch_available() -> bool:
+    """Whether torch can be imported (tests monkeypatch this to exercise the finite-difference path)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _finite_difference(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> np.ndarray:
+    """6th-order central difference; the step is scaled to |x| and made exactly representable."""
+    h = np.finfo(np.float64).eps ** (1.0 / 7.0) * np.maximum(1.0, np.abs(x))
+    h = (x + h) - x
+    coefficients = ((1, 45.0), (2, -9.0), (3, 1.0))
+    total = np.zeros_like(x)
+    for k, c in coefficients:
+        total += c * (f(x + k * h) - f(x - k * h))
+    return total / (60.0 * h)
+
+
+class _UserFunction:
+    """Calls a user's ``fn`` and checks what comes back; every failure is one FewBitError naming the spec."""
+
+    def __init__(self, spec: str, fn: Callable[..., Any], kwargs: Mapping[str, object], use_torch: bool):
+        self.spec = spec
+        self.fn = fn
+        self.kwargs = dict(kwargs)
+        self.use_autograd = False
+        if use_torch:
+            self.use_autograd = self._probe_autograd()
+
+    def _fail(self, what: str) -> FewBitError:
+        return FewBitError(f"activation module {self.spec!r}: {what}")
+
+    def _call(self, argument: Any) -> Any:
+        try:
+            return self.fn(argument, **self.kwargs)
+        except FewBitError:
+            raise
+        except Exception as exc:  # the user's code may raise anything
+            raise self._fail(f"calling it failed: {type(exc).__name__}: {exc}") from None
+
+    def _probe_autograd(self) -> bool:
+        import torch
+
+        x = torch.linspace(-3.0, 3.0, 7, dtype=torch.float64, requires_grad=True)
+        try:
+            y = self.fn(x, **self.kwargs)
+        except Exception:
+            return False
+        return isinstance(y, torch.Tensor) and y.shape == x.shape and y.requires_grad
+
+    def _check(self, y: Any, x: np.ndarray, what: str) -> np.ndarray:
+        try:
+            y = np.asarray(y.detach().cpu().numpy() if hasattr(y, "detach") else y, dtype=np.float64)
+        except (TypeError, ValueError) as exc:
+            raise self._fail(f"{what} is not an array of numbers ({exc})") from None
+        if y.shape != x.shape:
+            raise self._fail(f"{what} has shape {y.shape}, expected {x.shape} (the shape of its input)")
+        if not np.all(np.isfinite(y)):
+            bad = x[~np.isfinite(y)].ravel()[0] if x.ndim else x
+            raise self._fail(f"{what} is not finite at x={float(bad):g}")
+        return y
+
+    def f(self, x: np.ndarray, params: Params) -> np.ndarray:
+        if self.use_autograd:
+            import torch
+
+            with torch.no_grad():
+                y = self._call(torch.from_numpy(np.array(x, dtype=np.float64)))
+        else:
+            y = self._call(np.array(x, dtype=np.float64))
+        return self._check(y, x, "f(x)")
+
+    def df(self, x: np.ndarray, params: Params) -> np.ndarray:
+        if not self.use_autograd:
+            return self._check(_finite_difference(lambda z: self.f(z, params), x), x, "f'(x) (finite differences)")
+        import torch
+
+        t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+        with torch.enable_grad():
+            y = self._call(t)
+            if not isinstance(y, torch.Tensor) or y.shape != t.shape:
+                self._check(y, x, "f(x)")
+            try:
+                (grad,) = torch.autograd.grad(y.sum(), t, allow_unused=True)
+            except Exception as exc:
+                raise self._fail(f"autograd failed: {type(exc).__name__}: {exc}") from None
+        if grad is None:
+            return np.zeros_like(x)
+        return self._check(grad, x, "f'(x) (autograd)")
+
+
+def from_module(spec: str, params: Mapping[str, object] | None = None) -> BoundActivation:
+    """A user activation ``"pkg.mod:fn"``: ``fn(x, **params)`` is f, f' comes from torch autograd or finite differences.
+
+    ``fn`` receives a float64 torch tensor when torch is importable and ``fn`` works on tensors with autograd;
+    otherwise a float64 numpy array, and f' is a 6th-order central finite difference (step eps**(1/7) * max(1, |x|)).
+    ``params`` (JSON scalars) are passed to ``fn`` as keyword arguments and recorded in the table.
+    The result's name is ``spec``; it has no breakpoints, is not marked even and has no torch module.
+    """
+    if not isinstance(spec, str) or spec.count(":") != 1:
+        raise FewBitError(f"--activation-module must look like 'package.module:function', got {spec!r}")
+    module_name, attribute = (part.strip() for part in spec.split(":"))
+    if not module_name or not attribute:
+        raise FewBitError(f"--activation-module must look like 'package.module:function', got {spec!r}")
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as exc:
+        raise FewBitError(f"activation module {spec!r}: cannot import {module_name!r} ({exc})") from None
+    except Exception as exc:  # the user's module may raise anything on import
+        raise FewBitError(f"activation module {spec!r}: importing {module_name!r} failed: "
+                          f"{type(exc).__name__}: {exc}") from None  # fmt: skip
+    fn = module
+    for part in attribute.split("."):
+        if not hasattr(fn, part):
+            raise FewBitError(f"activation module {spec!r}: module {module_name!r} has no attribute {attribute!r}")
+        fn = getattr(fn, part)
+    if not callable(fn):
+        raise FewBitError(f"activation module {spec!r}: {attribute!r} is not callable (got {type(fn).__name__})")
+    kwargs = {key: _json_scalar(spec, key, value) for key, value in dict(params or {}).items()}
+    user = _UserFunction(spec, fn, kwargs, use_torch=_torch_available())
+    activation = Activation(
+        name=spec,
+        torch_name="",
+        defaults={},
+        _f=user.f,
+        _df=user.df,
+        description=f"user activation {spec}",
+        _open_params=True,
+    )
+    bound = activation.bind(kwargs)
+    bound.f(np.linspace(-3.0, 3.0, 7))  # fail now, not in the middle of a design
+    return bound
