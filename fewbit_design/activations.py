@@ -425,64 +425,171 @@ def _shrink_breakpoints(params: Params) -> tuple[float, ...]:
     return (-lambd, lambd) if lambd >= 0 else ()
 
 
+def _entry(
+    name: str,
+    torch_name: str,
+    f: Callable[[np.ndarray, Params], np.ndarray],
+    df: Callable[[np.ndarray, Params], np.ndarray],
+    *,
+    defaults: Mapping[str, object] | None = None,
+    breakpoints: tuple[float, ...] | Callable[[Params], tuple[float, ...]] = (),
+    even: bool | Callable[[Params], bool] = False,
+    check: Callable[[str, Params], None] | None = None,
+    choices: Mapping[str, tuple[str, ...]] | None = None,
+    description: str = "",
+) -> Activation:
+    fixed_breakpoints = breakpoints
+    fixed_even = even
+    return Activation(
+        name,
+        torch_name,
+        dict(defaults or {}),
+        f,
+        df,
+        breakpoints if callable(breakpoints) else lambda p: fixed_breakpoints,
+        even if callable(even) else lambda p: fixed_even,
+        check or (lambda activation, p: None),
+        dict(choices or {}),
+        description,
+    )
+
+
+def _elu_entry(name: str, torch_name: str, defaults: Mapping[str, object], constants, **options) -> Activation:
+    """ELU, CELU and SELU share torch's elu kernel: ``constants(params) -> (alpha, scale, input_scale)``."""
+    return _entry(
+        name,
+        torch_name,
+        lambda x, p: _elu_family(x, *constants(p)),
+        lambda x, p: _delu_family(x, *constants(p)),
+        defaults=defaults,
+        breakpoints=(0.0,),
+        **options,
+    )
+
+
 def _entries() -> list[Activation]:
-    never = lambda p: False  # noqa: E731
-    always = lambda p: True  # noqa: E731
     return [
-        Activation("relu", "ReLU", {}, _relu, lambda x, p: _step_gt(x, 0.0), lambda p: (0.0,), never,
-                   description="max(0, x)"),
-        Activation("relu6", "ReLU6", {}, _relu6, _drelu6, lambda p: (0.0, 6.0), never,
-                   description="min(max(0, x), 6)"),
-        Activation("leaky_relu", "LeakyReLU", {"negative_slope": 0.01}, _leaky_relu, _dleaky_relu,
-                   lambda p: (0.0,), lambda p: p["negative_slope"] == 1.0,
-                   description="x if x > 0 else negative_slope * x"),
-        Activation("elu", "ELU", {"alpha": 1.0},
-                   lambda x, p: _elu_family(x, p["alpha"], 1.0, 1.0),
-                   lambda x, p: _delu_family(x, p["alpha"], 1.0, 1.0),
-                   lambda p: (0.0,), never, description="x if x > 0 else alpha * (exp(x) - 1)"),
-        Activation("celu", "CELU", {"alpha": 1.0},
-                   lambda x, p: _elu_family(x, p["alpha"], 1.0, 1.0 / p["alpha"]),
-                   lambda x, p: _delu_family(x, p["alpha"], 1.0, 1.0 / p["alpha"]),
-                   lambda p: (0.0,), never, _check_celu,
-                   description="x if x > 0 else alpha * (exp(x / alpha) - 1)"),
-        Activation("selu", "SELU", {},
-                   lambda x, p: _elu_family(x, SELU_ALPHA, SELU_SCALE, 1.0),
-                   lambda x, p: _delu_family(x, SELU_ALPHA, SELU_SCALE, 1.0),
-                   lambda p: (0.0,), never, description="scale * elu(x, alpha) with the SELU constants"),
-        Activation("gelu", "GELU", {"approximate": "none"}, _gelu, _dgelu, lambda p: (), never,
-                   _choices={"approximate": ("none", "tanh")},
-                   description="x * Phi(x) (approximate='tanh': the tanh formula)"),
-        Activation("silu", "SiLU", {}, _silu, _dsilu, lambda p: (), never, description="x * sigmoid(x) (swish)"),
-        Activation("mish", "Mish", {}, _mish, _dmish, lambda p: (), never, description="x * tanh(softplus(x))"),
-        Activation("sigmoid", "Sigmoid", {}, _sigmoid, _dsigmoid, lambda p: (), always,
-                   description="1 / (1 + exp(-x))"),
-        Activation("tanh", "Tanh", {}, _tanh, _dtanh, lambda p: (), always, description="tanh(x)"),
-        Activation("softplus", "Softplus", {"beta": 1.0, "threshold": 20.0}, _softplus, _dsoftplus,
-                   lambda p: (p["threshold"] / p["beta"],), never,
-                   lambda name, p: _check_positive(name, p, "beta"),
-                   description="log(1 + exp(beta x)) / beta, x once beta x > threshold"),
-        Activation("softsign", "Softsign", {}, _softsign, _dsoftsign, lambda p: (0.0,), always,
-                   description="x / (1 + |x|)"),
-        Activation("hardtanh", "Hardtanh", {"min_val": -1.0, "max_val": 1.0}, _hardtanh, _dhardtanh,
-                   lambda p: (p["min_val"], p["max_val"]), lambda p: p["min_val"] == -p["max_val"], _check_hardtanh,
-                   description="clamp(x, min_val, max_val)"),
-        Activation("hardsigmoid", "Hardsigmoid", {}, _hardsigmoid, _dhardsigmoid, lambda p: (-3.0, 3.0), always,
-                   description="relu6(x + 3) / 6"),
-        Activation("hardswish", "Hardswish", {}, _hardswish, _dhardswish, lambda p: (-3.0, 3.0), never,
-                   description="x * relu6(x + 3) / 6"),
-        Activation("logsigmoid", "LogSigmoid", {}, _logsigmoid, _dlogsigmoid, lambda p: (), never,
-                   description="log(sigmoid(x))"),
-        Activation("tanhshrink", "Tanhshrink", {}, _tanhshrink, _dtanhshrink, lambda p: (), always,
-                   description="x - tanh(x)"),
-        Activation("softshrink", "Softshrink", {"lambd": 0.5}, _softshrink, _shrink_derivative,
-                   _shrink_breakpoints, always, _check_softshrink,
-                   description="x - lambd if x > lambd, x + lambd if x < -lambd, else 0"),
-        Activation("hardshrink", "Hardshrink", {"lambd": 0.5}, _hardshrink, _shrink_derivative,
-                   _shrink_breakpoints, always, description="x if |x| > lambd else 0"),
-        Activation("threshold", "Threshold", {"threshold": 0.0, "value": 0.0}, _threshold,
-                   lambda x, p: _step_gt(x, p["threshold"]), lambda p: (p["threshold"],), never,
-                   description="x if x > threshold else value (registry defaults; torch has none)"),
-    ]  # fmt: skip
+        _entry("relu", "ReLU", _relu, lambda x, p: _step_gt(x, 0.0), breakpoints=(0.0,), description="max(0, x)"),
+        _entry("relu6", "ReLU6", _relu6, _drelu6, breakpoints=(0.0, 6.0), description="min(max(0, x), 6)"),
+        _entry(
+            "leaky_relu",
+            "LeakyReLU",
+            _leaky_relu,
+            _dleaky_relu,
+            defaults={"negative_slope": 0.01},
+            breakpoints=(0.0,),
+            even=lambda p: p["negative_slope"] == 1.0,
+            description="x if x > 0 else negative_slope * x",
+        ),
+        _elu_entry(
+            "elu",
+            "ELU",
+            {"alpha": 1.0},
+            lambda p: (p["alpha"], 1.0, 1.0),
+            description="x if x > 0 else alpha * (exp(x) - 1)",
+        ),
+        _elu_entry(
+            "celu",
+            "CELU",
+            {"alpha": 1.0},
+            lambda p: (p["alpha"], 1.0, 1.0 / p["alpha"]),
+            check=_check_celu,
+            description="x if x > 0 else alpha * (exp(x / alpha) - 1)",
+        ),
+        _elu_entry(
+            "selu",
+            "SELU",
+            {},
+            lambda p: (SELU_ALPHA, SELU_SCALE, 1.0),
+            description="scale * elu(x, alpha) with scale = 1.0507..., alpha = 1.6732...",
+        ),
+        _entry(
+            "gelu",
+            "GELU",
+            _gelu,
+            _dgelu,
+            defaults={"approximate": "none"},
+            choices={"approximate": ("none", "tanh")},
+            description="x * Phi(x); approximate='tanh': 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3)))",
+        ),
+        _entry("silu", "SiLU", _silu, _dsilu, description="x * sigmoid(x) (swish)"),
+        _entry("mish", "Mish", _mish, _dmish, description="x * tanh(softplus(x))"),
+        _entry("sigmoid", "Sigmoid", _sigmoid, _dsigmoid, even=True, description="1 / (1 + exp(-x))"),
+        _entry("tanh", "Tanh", _tanh, _dtanh, even=True, description="tanh(x)"),
+        _entry(
+            "softplus",
+            "Softplus",
+            _softplus,
+            _dsoftplus,
+            defaults={"beta": 1.0, "threshold": 20.0},
+            breakpoints=lambda p: (p["threshold"] / p["beta"],),
+            check=lambda activation, p: _check_positive(activation, p, "beta"),
+            description="log(1 + exp(beta x)) / beta; x where beta x > threshold",
+        ),
+        _entry(
+            "softsign", "Softsign", _softsign, _dsoftsign, breakpoints=(0.0,), even=True, description="x / (1 + |x|)"
+        ),
+        _entry(
+            "hardtanh",
+            "Hardtanh",
+            _hardtanh,
+            _dhardtanh,
+            defaults={"min_val": -1.0, "max_val": 1.0},
+            breakpoints=lambda p: (p["min_val"], p["max_val"]),
+            even=lambda p: p["min_val"] == -p["max_val"],
+            check=_check_hardtanh,
+            description="clamp(x, min_val, max_val)",
+        ),
+        _entry(
+            "hardsigmoid",
+            "Hardsigmoid",
+            _hardsigmoid,
+            _dhardsigmoid,
+            breakpoints=(-3.0, 3.0),
+            even=True,
+            description="relu6(x + 3) / 6",
+        ),
+        _entry(
+            "hardswish",
+            "Hardswish",
+            _hardswish,
+            _dhardswish,
+            breakpoints=(-3.0, 3.0),
+            description="x * relu6(x + 3) / 6",
+        ),
+        _entry("logsigmoid", "LogSigmoid", _logsigmoid, _dlogsigmoid, description="log(sigmoid(x))"),
+        _entry("tanhshrink", "Tanhshrink", _tanhshrink, _dtanhshrink, even=True, description="x - tanh(x)"),
+        _entry(
+            "softshrink",
+            "Softshrink",
+            _softshrink,
+            _shrink_derivative,
+            defaults={"lambd": 0.5},
+            breakpoints=_shrink_breakpoints,
+            even=True,
+            check=_check_softshrink,
+            description="x - lambd if x > lambd; x + lambd if x < -lambd; else 0",
+        ),
+        _entry(
+            "hardshrink",
+            "Hardshrink",
+            _hardshrink,
+            _shrink_derivative,
+            defaults={"lambd": 0.5},
+            breakpoints=_shrink_breakpoints,
+            even=True,
+            description="x if |x| > lambd else 0",
+        ),
+        _entry(
+            "threshold",
+            "Threshold",
+            _threshold,
+            lambda x, p: _step_gt(x, p["threshold"]),
+            defaults={"threshold": 0.0, "value": 0.0},
+            breakpoints=lambda p: (p["threshold"],),
+            description="x if x > threshold else value (registry defaults 0, 0: torch has none)",
+        ),
+    ]
 
 
 REGISTRY: dict[str, Activation] = {entry.name: entry for entry in _entries()}
@@ -494,13 +601,9 @@ def _key(name: str) -> str:
     return re.sub(r"[\s_\-]", "", name.lower())
 
 
-_LOOKUP: dict[str, str] = {}
-for _entry in REGISTRY.values():
-    _LOOKUP[_key(_entry.name)] = _entry.name
-    _LOOKUP[_key(_entry.torch_name)] = _entry.name
-for _alias, _target in _ALIASES.items():
-    _LOOKUP[_key(_alias)] = _target
-del _entry, _alias, _target
+_LOOKUP: dict[str, str] = {_key(alias): target for alias, target in _ALIASES.items()}
+_LOOKUP.update({_key(entry.torch_name): entry.name for entry in REGISTRY.values()})
+_LOOKUP.update({_key(entry.name): entry.name for entry in REGISTRY.values()})
 
 
 def names() -> list[str]:
@@ -529,7 +632,9 @@ def get(name: str) -> Activation:
             suggestions.append(target)
     hint = ""
     if suggestions:
-        hint = "; did you mean " + " or ".join(repr(s) for s in suggestions) + "?"
+        quoted = [repr(s) for s in suggestions]
+        listed = quoted[0] if len(quoted) == 1 else ", ".join(quoted[:-1]) + " or " + quoted[-1]
+        hint = f"; did you mean {listed}?"
     raise FewBitError(f"unknown activation {name!r}{hint} (fewbit-design list shows all)")
 
 
