@@ -183,7 +183,8 @@ def make_weight(
     for name, value in options.items():
         if kind not in _USES[name] and _given(name, value):
             users = _USES[name]
-            which = f"weight {users[0]!r}" if len(users) == 1 else "weights " + ", ".join(repr(u) for u in users)
+            quoted = [repr(user) for user in users]
+            which = f"weight {quoted[0]}" if len(quoted) == 1 else f"weights {', '.join(quoted[:-1])} or {quoted[-1]}"
             raise FewBitError(f"{name} applies only to {which}, got weight {kind!r}")
     if kind == "uniform":
         return Weight(kind, low, high)
@@ -221,6 +222,10 @@ def _load_samples(samples: str | os.PathLike | np.ndarray) -> tuple[np.ndarray, 
             data = path.read_bytes()
         except OSError as exc:
             raise FewBitError(f"{label} cannot be read: {exc.strerror or exc}") from None
+        if data.startswith(b"PK\x03\x04"):
+            raise FewBitError(f"{label} is an .npz archive; save one array with numpy.save")
+        if not data.startswith(b"\x93NUMPY"):
+            raise FewBitError(f"{label} is not a .npy array (no .npy header; write it with numpy.save)")
         import io
 
         try:
@@ -231,9 +236,6 @@ def _load_samples(samples: str | os.PathLike | np.ndarray) -> tuple[np.ndarray, 
             raise FewBitError(f"{label} is not a .npy array ({exc})") from None
         except Exception as exc:
             raise FewBitError(f"{label} is not a .npy array ({type(exc).__name__}: {exc})") from None
-        if isinstance(array, np.lib.npyio.NpzFile):
-            array.close()
-            raise FewBitError(f"{label} is an .npz archive; save one array with numpy.save")
         name: str | None = path.name
         digest = hashlib.sha256(data).hexdigest()
     else:
