@@ -101,7 +101,11 @@ class Weight:
 
     @property
     def breakpoints(self) -> tuple[float, ...]:
-        """Points strictly inside (low, high) where w is not smooth (laplace: loc)."""
+        """Points strictly inside (low, high) where w is not smooth (laplace: loc).
+
+        An empirical w is linear between its :attr:`nodes` (spacing (high - low) / 8192); those nodes are not
+        listed: the kinks are O(spacing**2) small and would otherwise dictate the design grid.
+        """
         if self.kind == "laplace" and self.low < self.loc < self.high:
             return (float(self.loc),)
         return ()

@@ -17,12 +17,15 @@ PARAMETRIC = [
     ("normal", {}, stats.norm()),
     ("normal", {"loc": 1.0, "scale": 2.0, "low": -3.0, "high": 5.0}, stats.norm(1.0, 2.0)),
     ("normal", {"low": 5.0, "high": 10.0}, stats.norm()),  # far tail: needs the sf difference
+    ("normal", {"low": 8.0, "high": 10.0}, stats.norm()),
     ("laplace", {}, stats.laplace()),
     ("laplace", {"loc": 0.5, "scale": 1.5, "low": -4.0, "high": 2.0}, stats.laplace(0.5, 1.5)),
     ("laplace", {"loc": 3.0, "low": 4.0, "high": 9.0}, stats.laplace(3.0)),
+    ("laplace", {"low": 38.0, "high": 40.0}, stats.laplace()),
     ("student-t", {"df": 3.0}, stats.t(3.0)),
     ("student-t", {"df": 0.5, "loc": -1.0, "scale": 0.7}, stats.t(0.5, -1.0, 0.7)),
     ("student-t", {"df": 30, "low": 0.0, "high": 2.0}, stats.t(30.0)),
+    ("student-t", {"df": 5.0, "low": 9.0, "high": 10.0, "scale": 0.2}, stats.t(5.0, 0.0, 0.2)),
 ]
 PARAMETRIC_IDS = [f"{kind}-{i}" for i, (kind, _, _) in enumerate(PARAMETRIC)]
 
@@ -35,9 +38,9 @@ def test_parametric_density_and_mass_match_scipy(kind, options, dist):
     np.testing.assert_allclose(weight(x), dist.pdf(x), rtol=1e-12, atol=1e-300)
     # mass: scipy.stats cdf (sf in the upper tail) and adaptive quadrature of w itself
     expected = dist.sf(low) - dist.sf(high) if low > dist.median() else dist.cdf(high) - dist.cdf(low)
-    assert weight.mass() == pytest.approx(expected, rel=1e-12)
+    assert weight.mass() == pytest.approx(expected, rel=1e-12, abs=0)
     quad, _ = integrate.quad(weight, low, high, points=weight.breakpoints or None, epsabs=0, epsrel=1e-12, limit=200)
-    assert weight.mass() == pytest.approx(quad, rel=1e-10)
+    assert weight.mass() == pytest.approx(quad, rel=1e-10, abs=0)
 
 
 def test_uniform_is_one_on_the_range_and_not_normalised():
@@ -183,6 +186,15 @@ def test_empirical_from_file_to_dict_and_round_trip(tmp_path):
     np.save(other, samples[:100])
     with pytest.raises(FewBitError, match="does not match"):
         weight_from_dict(d, samples=other)
+
+
+def test_empirical_from_an_array_round_trip():
+    samples = np.random.default_rng(9).laplace(0.0, 2.0, 4000)
+    weight = make_weight("empirical", samples=samples, low=-5.0, high=5.0)
+    d = weight.to_dict()
+    assert d["file"] is None and d["samples"] == 4000 and len(d["sha256"]) == 64
+    assert weight_from_dict(d, samples=samples) == weight
+    assert weight.nodes[0] == -5.0 and weight.nodes[-1] == 5.0 and np.all(np.diff(weight.nodes) > 0)
 
 
 def test_empirical_is_fast_enough_for_a_million_samples():
