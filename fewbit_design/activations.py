@@ -96,6 +96,9 @@ class Activation:
     description: str = field(default="", compare=False)
     _open_params: bool = field(default=False, repr=False, compare=False)
 
+    def __hash__(self) -> int:
+        return hash((self.name, self.torch_name))
+
     def bind(self, params: Mapping[str, object] | None = None, **kwargs: object) -> BoundActivation:
         """Fill in torch's defaults and validate; ``kwargs`` override ``params``.
 
@@ -700,15 +703,21 @@ def _finite_difference(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> 
 
 
 class _UserFunction:
-    """Calls a user's ``fn`` and checks what comes back; every failure is one FewBitError naming the spec."""
+    """Calls a user's ``fn`` and checks what comes back; every failure is one FewBitError naming the spec.
+
+    With torch importable, a probe call on a float64 tensor decides the path: a tensor result of the right shape
+    means f is computed by torch, and if that result carries autograd history, f' is computed by autograd.
+    Otherwise ``fn`` gets numpy arrays. Without autograd, f' is a 6th-order central finite difference of f.
+    """
 
     def __init__(self, spec: str, fn: Callable[..., Any], kwargs: Mapping[str, object], use_torch: bool):
         self.spec = spec
         self.fn = fn
         self.kwargs = dict(kwargs)
+        self.torch_forward = False
         self.use_autograd = False
         if use_torch:
-            self.use_autograd = self._probe_autograd()
+            self._probe_torch()
 
     def _fail(self, what: str) -> FewBitError:
         return FewBitError(f"activation module {self.spec!r}: {what}")
@@ -721,20 +730,22 @@ class _UserFunction:
         except Exception as exc:  # the user's code may raise anything
             raise self._fail(f"calling it failed: {type(exc).__name__}: {exc}") from None
 
-    def _probe_autograd(self) -> bool:
+    def _probe_torch(self) -> None:
         import torch
 
         x = torch.linspace(-3.0, 3.0, 7, dtype=torch.float64, requires_grad=True)
         try:
             y = self.fn(x, **self.kwargs)
-        except Exception:
-            return False
-        return isinstance(y, torch.Tensor) and y.shape == x.shape and y.requires_grad
+        except Exception:  # e.g. a numpy function that cannot take a tensor requiring grad
+            return
+        if isinstance(y, torch.Tensor) and y.shape == x.shape:
+            self.torch_forward = True
+            self.use_autograd = y.requires_grad
 
     def _check(self, y: Any, x: np.ndarray, what: str) -> np.ndarray:
         try:
             y = np.asarray(y.detach().cpu().numpy() if hasattr(y, "detach") else y, dtype=np.float64)
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, RuntimeError) as exc:
             raise self._fail(f"{what} is not an array of numbers ({exc})") from None
         if y.shape != x.shape:
             raise self._fail(f"{what} has shape {y.shape}, expected {x.shape} (the shape of its input)")
@@ -744,7 +755,7 @@ class _UserFunction:
         return y
 
     def f(self, x: np.ndarray, params: Params) -> np.ndarray:
-        if self.use_autograd:
+        if self.torch_forward:
             import torch
 
             with torch.no_grad():
@@ -763,6 +774,8 @@ class _UserFunction:
             y = self._call(t)
             if not isinstance(y, torch.Tensor) or y.shape != t.shape:
                 self._check(y, x, "f(x)")
+            if not y.requires_grad:  # constant for these inputs
+                return np.zeros_like(x)
             try:
                 (grad,) = torch.autograd.grad(y.sum(), t, allow_unused=True)
             except Exception as exc:

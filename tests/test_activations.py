@@ -247,6 +247,7 @@ def test_bind_fills_defaults_and_is_json_serialisable():
     # bound activations with equal parameters are equal and hashable (usable as cache keys)
     assert activations.bind("elu", {"alpha": 1}) == activations.bind("elu")
     assert len({activations.bind("elu"), activations.bind("elu", {"alpha": 1.0})}) == 1
+    assert len({activations.get("GELU"), activations.get("gelu")}) == 1
 
 
 @pytest.mark.parametrize(
@@ -339,6 +340,13 @@ USER_MODULE = """
         CALLS.append(type(x).__name__)
         return np.sin(np.asarray(x)) * 2.0
 
+    def detached(x):
+        # a torch function without autograd history: torch forward, finite-difference derivative
+        import torch
+
+        CALLS.append(type(x).__name__)
+        return torch.tanh(x).detach()
+
     def raises(x):
         raise RuntimeError("boom")
 
@@ -399,6 +407,15 @@ def test_user_numpy_function_falls_back_to_finite_differences(user_module):
     x = np.linspace(-10, 10, 501)
     np.testing.assert_allclose(bound.f(x), 2.0 * np.sin(x), rtol=1e-14)
     np.testing.assert_allclose(bound.df(x), 2.0 * np.cos(x), rtol=1e-9, atol=1e-9)
+
+
+def test_user_torch_function_without_autograd_history(user_module):
+    bound = activations.from_module(f"{user_module}:detached")
+    calls = sys.modules[user_module].CALLS
+    calls.clear()
+    x = np.linspace(-10, 10, 501)
+    np.testing.assert_allclose(bound.df(x), 1.0 - np.tanh(x) ** 2, rtol=1e-8, atol=1e-10)
+    assert set(calls) == {"Tensor"}
 
 
 @pytest.mark.parametrize(
