@@ -1,0 +1,678 @@
+"""BLPA: backprop with approximate activations (Chakrabarti & Moseley), as fused BatchNorm-ReLU-Conv/Linear units.
+
+The forward pass is exact. Each unit ``BatchNorm -> ReLU -> Conv2d/Linear`` keeps for backward only a K-bit
+copy of its pre-ReLU activation ``A2`` (packed, K bits per element), the per-channel inverse standard deviation,
+and its parameters; backward follows eqs. (5)-(8) of the paper:
+
+* the gradient to W (and the bias) uses ``A3~ = relu(A2~)``;
+* the gradient through the linear op, the ReLU (mask from the codes, exact by construction), to beta and through
+  the scale to A1 are exact;
+* the gradient to gamma uses ``A1~``; BatchNorm's input gradient uses ``A1~`` only in its variance term.
+
+``bits=None`` is the paper's "exact" fused baseline (one full-precision tensor per unit: the normalized input A1,
+from which A2 = gamma * A1 + beta is recomputed bitwise; storing A1 rather than A2 costs the same and stays exact
+when gamma == 0). ``naive=True`` is the paper's naive baseline: the quantized activation also feeds the forward
+pass (with the same backward), so errors accumulate across layers; the paper saw it fail at depth 164.
+
+The quantizer (eqs. 9-10, made sign-preserving in every case) is documented in
+:mod:`fewbit_design.runtime.ops.blpa_quant`.
+
+In eval mode (with running statistics) a unit runs the plain exact forward through ``torch.nn.functional``
+(nothing of its own is saved; if you backpropagate in eval mode, autograd saves what the plain ops need).
+
+>>> import torch
+>>> from fewbit_design.runtime import blpa
+>>> unit = blpa.BNReLUConv2d(8, 16, 3, padding=1, bits=4)
+>>> out = unit(torch.randn(2, 8, 5, 5))
+>>> out.shape
+torch.Size([2, 16, 5, 5])
+>>> model = blpa.convert(torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
+>>> type(model[0]).__name__
+'BNReLULinear'
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..errors import FewBitError, check_bits
+from .ops import blpa_quant as quant
+
+__all__ = [
+    "BNReLUConv2d",
+    "BNReLULinear",
+    "BNReLUPoolLinear",
+    "PreActBottleneck",
+    "PreActResNet",
+    "preact_resnet",
+    "convert",
+]
+
+MIN_BITS = 2
+MAX_BITS = 8
+
+
+def _check_unit_bits(context: str, bits: object, naive: object) -> int | None:
+    if bits is not None:
+        try:
+            bits = check_bits(bits, low=MIN_BITS, high=MAX_BITS)
+        except FewBitError:
+            raise FewBitError(
+                f"{context}: bits must be an integer from {MIN_BITS} to {MAX_BITS}, or None for exact, got {bits!r}"
+            ) from None
+    if not isinstance(naive, bool):
+        raise FewBitError(f"{context}: naive must be True or False, got {naive!r}")
+    if naive and bits is None:
+        raise FewBitError(f"{context}: naive=True needs bits (the naive baseline quantizes the forward pass)")
+    return bits
+
+
+@dataclass(frozen=True)
+class _Spec:
+    """What the autograd function needs to know about a unit (no tensors)."""
+
+    kind: str  # "conv2d", "linear" or "pool_linear"
+    bits: int | None
+    naive: bool
+    stride: tuple[int, ...] = (1, 1)
+    padding: tuple[int, ...] = (0, 0)
+    dilation: tuple[int, ...] = (1, 1)
+    groups: int = 1
+
+
+def _reduce_dims(ndim: int) -> list[int]:
+    return [0] + list(range(2, ndim))
+
+
+def _per_channel(values: torch.Tensor, ndim: int) -> torch.Tensor:
+    return values.view((1, -1) + (1,) * (ndim - 2))
+
+
+def _op_forward(a3: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, spec: _Spec) -> torch.Tensor:
+    if spec.kind == "conv2d":
+        return F.conv2d(a3, weight, bias, spec.stride, spec.padding, spec.dilation, spec.groups)
+    if spec.kind == "linear":
+        return F.linear(a3, weight, bias)
+    return F.linear(a3.mean(dim=(2, 3)), weight, bias)
+
+
+def _op_backward(
+    grad_out: torch.Tensor, a3: torch.Tensor, weight: torch.Tensor, has_bias: bool, spec: _Spec, needs: tuple
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """(grad to A3, grad to W, grad to bias) of the linear op, with W's gradient taken at ``a3`` (eq. 5)."""
+    need_a3, need_w, need_b = needs
+    if spec.kind == "conv2d":
+        grads = torch.ops.aten.convolution_backward(
+            grad_out,
+            a3,
+            weight,
+            [weight.shape[0]] if has_bias else None,
+            list(spec.stride),
+            list(spec.padding),
+            list(spec.dilation),
+            False,
+            [0, 0],
+            spec.groups,
+            [need_a3, need_w, need_b and has_bias],
+        )
+        return grads[0], grads[1], grads[2]
+    grad_b = grad_out.sum(0) if need_b and has_bias else None
+    if spec.kind == "linear":
+        grad_a3 = grad_out @ weight if need_a3 else None
+        grad_w = grad_out.t() @ a3 if need_w else None
+        return grad_a3, grad_w, grad_b
+    height, width = a3.shape[2], a3.shape[3]
+    grad_a3 = None
+    if need_a3:
+        grad_pooled = (grad_out @ weight) / (height * width)
+        grad_a3 = grad_pooled[:, :, None, None].expand(a3.shape)
+    grad_w = grad_out.t() @ a3.mean(dim=(2, 3)) if need_w else None
+    return grad_a3, grad_w, grad_b
+
+
+@dataclass
+class UnitGrads:
+    """Gradients of one unit (any may be None when not requested); ``relu_input`` is the gradient to A2."""
+
+    input: torch.Tensor | None
+    gamma: torch.Tensor | None
+    beta: torch.Tensor | None
+    weight: torch.Tensor | None
+    bias: torch.Tensor | None
+    relu_input: torch.Tensor | None
+
+
+def unit_backward(
+    grad_out: torch.Tensor,
+    saved: tuple[torch.Tensor, ...],
+    spec: _Spec,
+    input_shape: torch.Size,
+    has_bias: bool,
+    needs: tuple[bool, bool, bool, bool, bool] = (True, True, True, True, True),
+) -> UnitGrads:
+    """The backward of a fused unit (eqs. 5-8) from what its forward saved.
+
+    ``saved`` is ``(A1 or packed codes, invstd, gamma, beta, weight)`` as saved by the unit's forward (available as
+    ``output.grad_fn.saved_tensors``); ``needs`` says which of (input, gamma, beta, weight, bias) need gradients.
+    Exposed for tests and experiments; modules call it through autograd.
+    """
+    stored, invstd, gamma, beta, weight = saved
+    need_x, need_gamma, need_beta, need_w, need_b = needs
+    dtype = invstd.dtype
+    ndim = len(input_shape)
+    if spec.bits is None:
+        a1 = stored
+        a2 = torch.addcmul(
+            _per_channel(beta.detach().to(dtype), ndim), a1, _per_channel(gamma.detach().to(dtype), ndim)
+        )
+        mask = a2 > 0
+        a3 = torch.relu(a2)
+        del a2
+    else:
+        numel = 1
+        for size in input_shape:
+            numel *= int(size)
+        codes = quant.unpack_codes(stored, spec.bits, numel).view(input_shape)
+        grid = quant.channel_grid(gamma, beta, spec.bits, dtype)
+        mask, a1, a3 = quant.dequantize(codes, grid, gamma, beta)
+        del codes
+    need_a2 = need_x or need_gamma or need_beta
+    grad_a3, grad_w, grad_b = _op_backward(
+        grad_out, a3.to(grad_out.dtype), weight, has_bias, spec, (need_a2, need_w, need_b)
+    )
+    del a3
+    grads = UnitGrads(None, None, None, grad_w, grad_b, None)
+    if not need_a2:
+        return grads
+    dims = _reduce_dims(ndim)
+    # eq. (6): the ReLU mask comes from the codes and equals (A2 > 0) exactly
+    grad_a2 = torch.where(mask, grad_a3.to(dtype), 0.0)
+    del grad_a3, mask
+    # eq. (7)
+    if need_beta:
+        grads.beta = grad_a2.sum(dims).to(beta.dtype)
+    if need_gamma:
+        grads.gamma = (a1 * grad_a2).sum(dims).to(gamma.dtype)
+    if need_x:
+        grad_a1 = grad_a2 * _per_channel(gamma.detach().to(dtype), ndim)
+        # eq. (8): A1~ only in the variance term
+        mean_grad = grad_a1.mean(dims, keepdim=True)
+        mean_proj = (a1 * grad_a1).mean(dims, keepdim=True)
+        grad_x = grad_a1.sub_(mean_grad).sub_(a1 * mean_proj).mul_(_per_channel(invstd, ndim))
+        grads.input = grad_x
+    grads.relu_input = grad_a2
+    return grads
+
+
+class _BNReLUFunction(torch.autograd.Function):
+    """One fused unit: exact forward, K-bit (or exact) A2 saved, backward per eqs. (5)-(8)."""
+
+    @staticmethod
+    def forward(ctx, x, mean, invstd, gamma, beta, weight, bias, spec: _Spec):
+        dtype = invstd.dtype
+        ndim = x.dim()
+        a1 = (x.to(dtype) - _per_channel(mean, ndim)).mul_(_per_channel(invstd, ndim))
+        a2 = torch.addcmul(_per_channel(beta.to(dtype), ndim), a1, _per_channel(gamma.to(dtype), ndim))
+        if spec.bits is None:
+            stored = a1
+            a3 = torch.relu(a2)
+        else:
+            grid = quant.channel_grid(gamma, beta, spec.bits, dtype)
+            codes = quant.quantize(a1, a2, grid)
+            if spec.naive:
+                a3 = quant.dequantize(codes, grid, gamma, beta)[2]
+            else:
+                a3 = torch.relu(a2)
+            del a1
+            stored = quant.pack_codes(codes, spec.bits)
+            del codes
+        del a2
+        out = _op_forward(a3.to(x.dtype), weight, bias, spec)
+        ctx.save_for_backward(stored, invstd, gamma, beta, weight)
+        ctx.spec = spec
+        ctx.input_shape = x.shape
+        ctx.input_dtype = x.dtype
+        ctx.has_bias = bias is not None
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        needs = ctx.needs_input_grad
+        grads = unit_backward(
+            grad_out.contiguous(),
+            ctx.saved_tensors,
+            ctx.spec,
+            ctx.input_shape,
+            ctx.has_bias,
+            (needs[0], needs[3], needs[4], needs[5], needs[6]),
+        )
+        grad_x = grads.input.to(ctx.input_dtype) if grads.input is not None else None
+        return grad_x, None, None, grads.gamma, grads.beta, grads.weight, grads.bias, None
+
+
+def _explicit_padding(context: str, conv: nn.Conv2d) -> tuple[int, int]:
+    padding = conv.padding
+    if isinstance(padding, str):
+        if padding == "valid":
+            return (0, 0)
+        # 'same' (stride 1): total padding d * (k - 1) per dimension, split evenly when it is even
+        totals = [d * (k - 1) for d, k in zip(conv.dilation, conv.kernel_size, strict=True)]
+        if any(total % 2 for total in totals):
+            raise FewBitError(
+                f"{context}: padding='same' with kernel_size={tuple(conv.kernel_size)} and "
+                f"dilation={tuple(conv.dilation)} pads asymmetrically, which is not supported; pass explicit padding"
+            )
+        return (totals[0] // 2, totals[1] // 2)
+    return (int(padding[0]), int(padding[1]))
+
+
+class _FusedUnit(nn.Module):
+    """Shared machinery: submodules named like ``nn.Sequential(BatchNorm, ReLU, ..., Linear-op)``."""
+
+    _kind = "conv2d"
+    _bn_type: type = nn.BatchNorm2d
+    _op_type: type = nn.Conv2d
+    _op_name = "2"
+    _input_ndim = 4
+
+    def _setup(self, bn: nn.Module, parts: list[nn.Module], op: nn.Module, bits: int | None, naive: bool) -> None:
+        self.add_module("0", bn)
+        for index, part in enumerate(parts, start=1):
+            self.add_module(str(index), part)
+        self.add_module(self._op_name, op)
+        self.bits = bits
+        self.naive = naive
+        self._padding = _explicit_padding(type(self).__name__, op) if isinstance(op, nn.Conv2d) else (0, 0)
+
+    @property
+    def bn(self) -> nn.Module:
+        """The BatchNorm module (parameters gamma = ``bn.weight``, beta = ``bn.bias``, running statistics)."""
+        return self._modules["0"]
+
+    @property
+    def op(self) -> nn.Module:
+        """The Conv2d or Linear module."""
+        return self._modules[self._op_name]
+
+    def _spec(self) -> _Spec:
+        op = self.op
+        if self._kind == "conv2d":
+            return _Spec(
+                "conv2d",
+                self.bits,
+                self.naive,
+                tuple(op.stride),
+                self._padding,
+                tuple(op.dilation),
+                int(op.groups),
+            )
+        return _Spec(self._kind, self.bits, self.naive)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        name = type(self).__name__
+        channels = self.bn.num_features
+        if x.dim() != self._input_ndim:
+            layout = "(N, C, H, W)" if self._input_ndim == 4 else "(N, C)"
+            raise FewBitError(f"{name} expects a {self._input_ndim}-D input {layout}, got shape {tuple(x.shape)}")
+        if x.shape[1] != channels:
+            raise FewBitError(f"{name} expects {channels} channels (dim 1), got input shape {tuple(x.shape)}")
+
+    def _eval_forward(self, x: torch.Tensor) -> torch.Tensor:
+        bn = self.bn
+        a2 = F.batch_norm(x, bn.running_mean, bn.running_var, bn.weight, bn.bias, False, 0.0, bn.eps)
+        return _op_forward(F.relu(a2), self.op.weight, self.op.bias, self._spec())
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self._check_input(x)
+        bn = self.bn
+        use_batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
+        if not use_batch_stats:
+            return self._eval_forward(x)
+        count = x.numel() // x.shape[1]
+        if count <= 1:
+            raise FewBitError(
+                f"{type(self).__name__}: batch statistics need more than 1 value per channel when training, "
+                f"got input shape {tuple(x.shape)}"
+            )
+        dtype = quant.compute_dtype(x.dtype)
+        with torch.no_grad():
+            var, mean = torch.var_mean(x.to(dtype), dim=_reduce_dims(x.dim()), correction=0)
+            invstd = torch.rsqrt(var + bn.eps)
+            if self.training and bn.track_running_stats:
+                factor = 0.0 if bn.momentum is None else bn.momentum
+                if bn.num_batches_tracked is not None:
+                    bn.num_batches_tracked.add_(1)
+                    if bn.momentum is None:  # cumulative moving average
+                        factor = 1.0 / float(bn.num_batches_tracked)
+                unbiased = var * (count / (count - 1))
+                bn.running_mean.mul_(1.0 - factor).add_(mean.to(bn.running_mean.dtype), alpha=factor)
+                bn.running_var.mul_(1.0 - factor).add_(unbiased.to(bn.running_var.dtype), alpha=factor)
+        return _BNReLUFunction.apply(x, mean, invstd, bn.weight, bn.bias, self.op.weight, self.op.bias, self._spec())
+
+    def extra_repr(self) -> str:
+        mode = "exact" if self.bits is None else f"bits={self.bits}"
+        return mode + (", naive=True" if self.naive else "")
+
+    @classmethod
+    def _validate_parts(cls, context: str, bn: nn.Module, relu: nn.Module, op: nn.Module, in_size: int) -> None:
+        bn_name, op_name = cls._bn_type.__name__, cls._op_type.__name__
+        if not isinstance(bn, cls._bn_type):
+            raise FewBitError(f"{context}: the first module must be nn.{bn_name}, got {type(bn).__name__}")
+        if not isinstance(relu, nn.ReLU):
+            raise FewBitError(
+                f"{context}: the second module must be nn.ReLU (BLPA needs an activation whose gradient depends "
+                f"only on the sign), got {type(relu).__name__}"
+            )
+        if not isinstance(op, cls._op_type) or isinstance(op, nn.modules.lazy.LazyModuleMixin):
+            raise FewBitError(f"{context}: the last module must be nn.{op_name}, got {type(op).__name__}")
+        if isinstance(bn, nn.modules.lazy.LazyModuleMixin) and bn.has_uninitialized_params():
+            raise FewBitError(f"{context}: lazy {type(bn).__name__} is not initialized yet; run one batch first")
+        if not bn.affine:
+            raise FewBitError(f"{context}: {bn_name} must have affine=True (BLPA quantizes A2 around beta +- 3|gamma|)")
+        if bn.num_features != in_size:
+            field = "in_channels" if cls._op_type is nn.Conv2d else "in_features"
+            raise FewBitError(
+                f"{context}: channels mismatch: {bn_name} has {bn.num_features} channels but {op_name} expects "
+                f"{field}={in_size}"
+            )
+        if isinstance(op, nn.Conv2d) and op.padding_mode != "zeros":
+            raise FewBitError(f"{context}: Conv2d padding_mode={op.padding_mode!r} is not supported, only 'zeros'")
+
+    @classmethod
+    def _from_parts(cls, bn, parts, op, bits, naive):
+        unit = cls.__new__(cls)
+        nn.Module.__init__(unit)
+        unit._setup(bn, parts, op, bits, naive)
+        return unit
+
+
+class BNReLUConv2d(_FusedUnit):
+    """``BatchNorm2d -> ReLU -> Conv2d`` that stores ``bits`` bits per element of A2 for backward.
+
+    State dict keys equal those of ``nn.Sequential(nn.BatchNorm2d(...), nn.ReLU(), nn.Conv2d(...))``
+    ("0.weight", "0.bias", "0.running_mean", "0.running_var", "0.num_batches_tracked", "2.weight"[, "2.bias"]), so
+    weights load either way. ``bits=None``: exact fused baseline; ``naive=True``: the paper's naive baseline.
+
+    >>> unit = BNReLUConv2d(16, 32, 3, stride=2, padding=1, bits=4)
+    >>> sorted(unit.state_dict())[:2]
+    ['0.bias', '0.num_batches_tracked']
+    """
+
+    _kind = "conv2d"
+    _bn_type = nn.BatchNorm2d
+    _op_type = nn.Conv2d
+    _op_name = "2"
+    _input_ndim = 4
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_channels: int,
+        kernel_size: int | tuple[int, int],
+        stride: int | tuple[int, int] = 1,
+        padding: int | tuple[int, int] | str = 0,
+        dilation: int | tuple[int, int] = 1,
+        groups: int = 1,
+        bias: bool = False,
+        *,
+        bits: int | None = 4,
+        naive: bool = False,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        bits = _check_unit_bits("BNReLUConv2d", bits, naive)
+        factory = {"device": device, "dtype": dtype}
+        bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, **factory)
+        conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **factory)
+        self._setup(bn, [nn.ReLU()], conv, bits, naive)
+
+    @classmethod
+    def from_modules(
+        cls, bn: nn.Module, relu: nn.Module, conv: nn.Module, *, bits: int | None = 4, naive: bool = False
+    ) -> BNReLUConv2d:
+        """Fuse existing ``bn``, ``relu`` and ``conv`` modules (they are reused: parameters stay shared).
+
+        Raises FewBitError for anything but ``BatchNorm2d(affine=True) -> ReLU -> Conv2d`` with matching channels.
+        """
+        context = "BNReLUConv2d.from_modules"
+        bits = _check_unit_bits(context, bits, naive)
+        cls._validate_parts(context, bn, relu, conv, getattr(conv, "in_channels", -1))
+        _explicit_padding(context, conv)
+        return cls._from_parts(bn, [relu], conv, bits, naive)
+
+
+class BNReLULinear(_FusedUnit):
+    """``BatchNorm1d -> ReLU -> Linear`` on (N, C) inputs, storing ``bits`` bits per element of A2 for backward.
+
+    State dict keys equal those of ``nn.Sequential(nn.BatchNorm1d(...), nn.ReLU(), nn.Linear(...))``.
+    """
+
+    _kind = "linear"
+    _bn_type = nn.BatchNorm1d
+    _op_type = nn.Linear
+    _op_name = "2"
+    _input_ndim = 2
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        bits: int | None = 4,
+        naive: bool = False,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        bits = _check_unit_bits("BNReLULinear", bits, naive)
+        factory = {"device": device, "dtype": dtype}
+        bn = nn.BatchNorm1d(in_features, eps=eps, momentum=momentum, **factory)
+        linear = nn.Linear(in_features, out_features, bias, **factory)
+        self._setup(bn, [nn.ReLU()], linear, bits, naive)
+
+    @classmethod
+    def from_modules(
+        cls, bn: nn.Module, relu: nn.Module, linear: nn.Module, *, bits: int | None = 4, naive: bool = False
+    ) -> BNReLULinear:
+        """Fuse existing ``bn``, ``relu`` and ``linear`` modules (reused: parameters stay shared)."""
+        context = "BNReLULinear.from_modules"
+        bits = _check_unit_bits(context, bits, naive)
+        cls._validate_parts(context, bn, relu, linear, getattr(linear, "in_features", -1))
+        return cls._from_parts(bn, [relu], linear, bits, naive)
+
+
+class BNReLUPoolLinear(_FusedUnit):
+    """Classifier head ``BatchNorm2d -> ReLU -> global average pool -> Linear``, stored with ``bits`` bits.
+
+    Global average pooling is folded into the linear op (as the paper does). State dict keys equal those of
+    ``nn.Sequential(nn.BatchNorm2d(C), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, classes))``.
+    """
+
+    _kind = "pool_linear"
+    _bn_type = nn.BatchNorm2d
+    _op_type = nn.Linear
+    _op_name = "4"
+    _input_ndim = 4
+
+    def __init__(
+        self,
+        in_channels: int,
+        out_features: int,
+        bias: bool = True,
+        *,
+        bits: int | None = 4,
+        naive: bool = False,
+        eps: float = 1e-5,
+        momentum: float | None = 0.1,
+        device: Any = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        bits = _check_unit_bits("BNReLUPoolLinear", bits, naive)
+        factory = {"device": device, "dtype": dtype}
+        bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, **factory)
+        linear = nn.Linear(in_channels, out_features, bias, **factory)
+        self._setup(bn, [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()], linear, bits, naive)
+
+
+# ----------------------------------------------------------------------------------------------- network builder
+
+
+class PreActBottleneck(nn.Module):
+    """Pre-activation bottleneck residual unit (He et al. 2016) built from three fused BN-ReLU-Conv units.
+
+    The shortcut is parameter-free: identity, or a strided subsample with zero-padded extra channels.
+    """
+
+    expansion = 4
+
+    def __init__(self, in_channels: int, planes: int, stride: int = 1, *, bits: int | None = 4, naive: bool = False):
+        super().__init__()
+        out_channels = planes * self.expansion
+        self.units = nn.Sequential(
+            BNReLUConv2d(in_channels, planes, 1, bits=bits, naive=naive),
+            BNReLUConv2d(planes, planes, 3, stride=stride, padding=1, bits=bits, naive=naive),
+            BNReLUConv2d(planes, out_channels, 1, bits=bits, naive=naive),
+        )
+        self.stride = stride
+        self.extra_channels = out_channels - in_channels
+        assert self.extra_channels >= 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shortcut = x
+        if self.stride != 1:
+            shortcut = shortcut[:, :, :: self.stride, :: self.stride]
+        if self.extra_channels:
+            shortcut = F.pad(shortcut, (0, 0, 0, 0, 0, self.extra_channels))
+        return self.units(x) + shortcut
+
+
+class PreActResNet(nn.Module):
+    """CIFAR-style pre-activation bottleneck ResNet of depth 9n + 2 (see :func:`preact_resnet`)."""
+
+    def __init__(
+        self,
+        blocks_per_stage: int,
+        num_classes: int = 10,
+        *,
+        bits: int | None = 4,
+        width: int = 1,
+        naive: bool = False,
+        in_channels: int = 3,
+    ) -> None:
+        super().__init__()
+        base = 16 * width
+        self.stem = nn.Conv2d(in_channels, base, 3, padding=1, bias=False)
+        stages = []
+        channels = base
+        for index, planes in enumerate((base, 2 * base, 4 * base)):
+            blocks = []
+            for block in range(blocks_per_stage):
+                stride = 2 if index > 0 and block == 0 else 1
+                blocks.append(PreActBottleneck(channels, planes, stride, bits=bits, naive=naive))
+                channels = planes * PreActBottleneck.expansion
+            stages.append(nn.Sequential(*blocks))
+        self.stages = nn.Sequential(*stages)
+        self.head = BNReLUPoolLinear(channels, num_classes, bits=bits, naive=naive)
+        for module in self.modules():
+            if isinstance(module, nn.Conv2d):
+                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.stages(self.stem(x)))
+
+
+def preact_resnet(
+    depth: int,
+    num_classes: int = 10,
+    *,
+    bits: int | None = 4,
+    width: int = 1,
+    naive: bool = False,
+    in_channels: int = 3,
+) -> PreActResNet:
+    """The paper's pre-activation bottleneck ResNet for CIFAR: depth 9n + 2 (164: n = 18, 1001: n = 111).
+
+    Stages of n bottleneck units with 16, 32, 64 (times ``width``) bottleneck channels and 4x that on the residual
+    path, parameter-free shortcuts, a 3x3 stem convolution and a BN-ReLU-pool-linear head. Every BN-ReLU-Conv is a
+    fused unit storing ``bits`` bits per element (``bits=None``: exact fused baseline; ``naive=True``: naive).
+
+    >>> model = preact_resnet(20, bits=4)
+    >>> model(torch.randn(2, 3, 32, 32)).shape
+    torch.Size([2, 10])
+    """
+    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
+        raise FewBitError(
+            f"preact_resnet: depth must be 9n + 2 with n >= 1 (11, 20, ..., 164, ..., 1001), got {depth!r}"
+        )
+    for name, value in (("num_classes", num_classes), ("width", width), ("in_channels", in_channels)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FewBitError(f"preact_resnet: {name} must be a positive integer, got {value!r}")
+    bits = _check_unit_bits("preact_resnet", bits, naive)
+    return PreActResNet((depth - 2) // 9, num_classes, bits=bits, width=width, naive=naive, in_channels=in_channels)
+
+
+# ------------------------------------------------------------------------------------------------------ convert
+
+_PATTERNS: tuple[tuple[type, type, type[_FusedUnit]], ...] = (
+    (nn.BatchNorm2d, nn.Conv2d, BNReLUConv2d),
+    (nn.BatchNorm1d, nn.Linear, BNReLULinear),
+)
+
+
+def convert(model: nn.Module, *, bits: int | None = 4, naive: bool = False, strict: bool = False) -> nn.Module:
+    """Fuse every ``BatchNorm2d -> ReLU -> Conv2d`` and ``BatchNorm1d -> ReLU -> Linear`` run in ``nn.Sequential``
+    containers of ``model`` (recursively) into BLPA units; returns ``model`` (changed in place).
+
+    The fused unit takes the place of the BatchNorm and reuses the original modules (parameters, running
+    statistics and hyper-parameters are shared, so an optimizer built before ``convert`` keeps working); the ReLU and
+    the Conv/Linear positions become ``nn.Identity`` so other indices stay valid. Runs that match by type but cannot
+    be fused (affine=False, channel mismatch, padding_mode other than 'zeros') are left alone, or raise with
+    ``strict=True``.
+
+    >>> seq = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 3))
+    >>> [type(m).__name__ for m in convert(seq, bits=8)]
+    ['BNReLUConv2d', 'Identity', 'Identity']
+    """
+    if not isinstance(model, nn.Module):
+        raise FewBitError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    bits = _check_unit_bits("convert", bits, naive)
+    for module in list(model.modules()):
+        if isinstance(module, nn.Sequential):
+            _fuse_sequential(module, bits, naive, strict)
+    return model
+
+
+def _fuse_sequential(seq: nn.Sequential, bits: int | None, naive: bool, strict: bool) -> None:
+    keys = list(seq._modules)
+    index = 0
+    while index + 2 < len(keys):
+        first, second, third = (seq._modules[key] for key in keys[index : index + 3])
+        unit = None
+        for bn_type, op_type, unit_type in _PATTERNS:
+            if isinstance(first, bn_type) and isinstance(second, nn.ReLU) and isinstance(third, op_type):
+                try:
+                    unit = unit_type.from_modules(first, second, third, bits=bits, naive=naive)
+                except FewBitError:
+                    if strict:
+                        raise
+                break
+        if unit is None:
+            index += 1
+            continue
+        seq._modules[keys[index]] = unit
+        seq._modules[keys[index + 1]] = nn.Identity()
+        seq._modules[keys[index + 2]] = nn.Identity()
+        index += 3
