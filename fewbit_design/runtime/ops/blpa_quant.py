@@ -5,13 +5,15 @@ Terms (per channel c of a batch-normalized unit):
 * ``A1`` the normalized input, ``A2 = gamma * A1 + beta`` the pre-ReLU activation, ``A3 = relu(A2)``.
 * ``delta = 6 / 2**K`` the bin width in A1 units, i.e. ``Delta = 6 |gamma| / 2**K`` in A2 units (eq. 9).
 * ``s = sign(gamma) * A1`` (``sign(0) = +1``), so ``A2 = |gamma| s + beta`` grows with ``s``.
-* ``r = beta / Delta``: where beta sits in bin units; ``f = ceil(r) - r`` in [0, 1) its fractional offset.
+* ``r = beta / Delta``: where beta sits in bin units; ``k = ceil(r + 1/2)`` and ``f = k - r`` in [0.5, 1.5).
 
 Codes. ``raw = ceil(s / delta - f) + 2**(K-1)``: code ``c`` is the bin ``s / delta - f`` in ``(c - 2**(K-1) - 1,
-c - 2**(K-1)]``, i.e. the paper's 2**K bins of width Delta covering about ``beta +- 3|gamma|``, with bin edges
-aligned so that ``A2 = 0`` is always an edge (``s / delta - f = -ceil(r)``, an integer). Bins are open on the
-left and closed on the right, so ``A2 == 0`` falls in a non-positive bin. ``z = 2**(K-1) + 1 - ceil(r)`` is the
-first code whose bin is positive. Clipping to the 2**K codes must not cross zero, so codes are clamped by sign:
+c - 2**(K-1)]``, i.e. the paper's 2**K bins of width Delta, with bin edges aligned so that ``A2 = 0`` is always an
+edge (there ``s / delta - f = -k``, an integer), and the window placed as close to centred on beta as that
+alignment allows: in A1 units it is ``(-3 + delta (f - 1), 3 + delta (f - 1)]``, within half a bin of
+``[-3, 3]`` (eq. 9 clips to about ``beta +- 3|gamma|`` the same way). Bins are open on the left and closed on the
+right, so ``A2 == 0`` falls in a non-positive bin. ``z = 2**(K-1) + 1 - k`` is the first code whose bin is
+positive. Clipping to the 2**K codes must not cross zero, so codes are clamped by sign:
 
 * ``p = clamp(z, 1, 2**K - 1)`` is the first code that means "A2 > 0"; positive elements get codes in
   ``[p, 2**K)``, non-positive ones codes in ``[0, p)``. When the paper's window lies entirely on one side of zero
@@ -19,7 +21,7 @@ first code whose bin is positive. Clipping to the 2**K codes must not cross zero
   (reconstructed at the centre of the bin next to zero, ``+-Delta/2``); otherwise the window straddles zero and
   plain clipping already keeps signs.
 * ``gamma == 0``: then ``A2 = beta`` exactly, so the sign is constant per channel and needs no bits; all 2**K codes
-  quantize A1 itself on ``(-3 - delta, 3 - delta]`` (``f = 0``), and ``p = 0`` (beta > 0, all positive) or
+  quantize A1 itself on ``(-3, 3]`` (``r = 0``, ``f = 1``), and ``p = 0`` (beta > 0, all positive) or
   ``p = 2**K`` (beta <= 0, none). This keeps the gradient to gamma finite and informative at gamma == 0 (A1 cannot
   be recovered from A2 = beta there).
 
@@ -28,7 +30,7 @@ Decoding gives ``mask = code >= p`` (equal to ``A2 > 0`` for every element, by c
 ``A1~ = sign(gamma) * delta * (+-0.5 - r)``; then ``A2~ = gamma * A1~ + beta`` and
 ``A3~ = mask * max(A2~, 0)``.
 
-Error bound: for elements inside the window (``|A1| <~ 3``) ``|A1~ - A1| <= 3 / 2**K`` and
+Error bound: for elements inside the window (at least ``|A1| <= 3 - delta / 2``) ``|A1~ - A1| <= 3 / 2**K`` and
 ``|A2~ - A2|, |A3~ - A3| <= 3 |gamma| / 2**K`` (half a bin), so errors halve with every extra bit; clipped elements
 add their distance to the window edge (this part does not shrink with K); a catch-all element has
 ``A3~ = A3 = 0`` (non-positive side) or ``A3~ = Delta / 2`` (positive side). The sign, hence the ReLU mask, is
@@ -43,7 +45,7 @@ from .packing import pack_reference, packed_nbytes, unpack_reference
 
 __all__ = ["ChannelGrid", "channel_grid", "quantize", "dequantize", "pack_codes", "unpack_codes", "compute_dtype"]
 
-# |r| beyond this: f = ceil(r) - r is meaningless in floating point; the grid offset is then arbitrary anyway
+# |r| beyond this: f = k - r is meaningless in floating point; the grid offset is then arbitrary anyway
 _HUGE_R = 2.0**40
 
 
@@ -58,8 +60,8 @@ class ChannelGrid:
     Attributes:
         sign: sign(gamma) with sign(0) = +1.
         inv_delta: 2**K / 6, the scale from A1 to bin units (a Python float).
-        f: ceil(r) - r, the grid offset in [0, 1) (0 where gamma == 0 or |r| is huge).
-        r: beta / Delta (inf/nan where gamma == 0; only used for catch-all codes).
+        f: k - r with k = ceil(r + 1/2), the grid offset in [0.5, 1.5) (1 where gamma == 0 or |r| is huge).
+        r: beta / Delta (0 where gamma == 0; only used for catch-all codes).
         z: first code of a positive bin, unclamped (equals p where gamma == 0).
         p: first code meaning "A2 > 0", in [0, 2**K].
     """
@@ -76,9 +78,9 @@ class ChannelGrid:
         abs_g = torch.where(zero, 1.0, g.abs())
         r = b * self.inv_delta / abs_g
         r = torch.where(zero, 0.0, r)
-        ceil_r = torch.ceil(r)
-        f = torch.where(r.abs() < _HUGE_R, ceil_r - r, 0.0)
-        z = half + 1 - ceil_r
+        k = torch.ceil(r + 0.5)
+        f = torch.where(r.abs() < _HUGE_R, k - r, 1.0)
+        z = half + 1 - k
         p_nonzero = z.clamp(1, levels - 1)
         p_zero = torch.where(b > 0, 0.0, float(levels))
         self.r = r.to(dtype)
