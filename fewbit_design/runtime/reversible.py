@@ -77,6 +77,7 @@ __all__ = [
     "uses_rng",
     "LayerSNR",
     "reconstruction_snr",
+    "inverse_snr_factor",
 ]
 
 POOLING_KINDS = ("channel", "batch")
@@ -304,7 +305,7 @@ class AdditiveCoupling(InvertibleModule):
             contain a random module (see :func:`uses_rng`).
 
     >>> import torch
-    >>> block = AdditiveCoupling(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), split_dim=-1)
+    >>> block = AdditiveCoupling(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2), split_dim=-1).double()
     >>> x = torch.randn(3, 4, dtype=torch.float64)
     >>> torch.allclose(block.inverse(block(x)), x)
     True
@@ -1099,6 +1100,9 @@ class LayerSNR:
         positive_fraction: fraction of elements of ``z`` that are >= 0.
         positive_energy: fraction of ``sum(z^2)`` carried by those elements.
         module: the block itself (for its parameters: batch-norm scales, leaky-ReLU slope).
+        sequence: qualified name of the :class:`ReversibleSequence` the block belongs to.
+        alpha: the block's SNR reduction factor measured by noise injection on ``z``
+            (:func:`inverse_snr_factor`), when asked for with ``alphas=True``; else ``None``.
     """
 
     name: str
@@ -1111,9 +1115,13 @@ class LayerSNR:
     positive_fraction: float
     positive_energy: float
     module: nn.Module
+    sequence: str = ""
+    alpha: float | None = None
 
 
-def _layer_snr(name: str, block: nn.Module, z: torch.Tensor, z_hat: torch.Tensor) -> LayerSNR:
+def _layer_snr(
+    name: str, block: nn.Module, z: torch.Tensor, z_hat: torch.Tensor, sequence: str, alpha: float | None
+) -> LayerSNR:
     z = z.double()
     z_hat = z_hat.double()
     signal = float(z.square().mean())
@@ -1140,11 +1148,19 @@ def _layer_snr(name: str, block: nn.Module, z: torch.Tensor, z_hat: torch.Tensor
         positive_fraction=float(positive.double().mean()),
         positive_energy=float(z.square()[positive].sum()) / energy if energy > 0 else 0.5,
         module=block,
+        sequence=sequence,
+        alpha=alpha,
     )
 
 
 def reconstruction_snr(
-    model: nn.Module, x: torch.Tensor, *, grad_output: torch.Tensor | None = None, seed: int = 0
+    model: nn.Module,
+    x: torch.Tensor,
+    *,
+    grad_output: torch.Tensor | None = None,
+    seed: int = 0,
+    alphas: bool = False,
+    noise: float = 1e-4,
 ) -> list[LayerSNR]:
     """Per-block SNR of the activations reconstructed by backward, on one real forward and backward.
 
@@ -1155,7 +1171,9 @@ def reconstruction_snr(
     its ``f`` and ``g``).
 
     The model's parameters, gradients (``.grad``) and buffers (running statistics) are left as they were;
-    the gradient fed to the output is ``grad_output`` or a fixed random tensor drawn from ``seed``.
+    the gradient fed to the output is ``grad_output`` or a fixed random tensor drawn from ``seed``. With
+    ``alphas=True`` each block's SNR reduction factor is also measured by injecting white noise of relative
+    amplitude ``noise`` at its output (:func:`inverse_snr_factor`, on the block's forward input).
     """
     global _RECORDER
     if not isinstance(model, nn.Module):
@@ -1164,6 +1182,7 @@ def reconstruction_snr(
     if not any(s.reconstruct for s in sequences):
         raise FewBitError("reconstruction_snr needs a model with a ReversibleSequence built with reconstruct=True")
     names = {id(m): name for name, m in model.named_modules()}
+    parents = {id(block): names.get(id(seq), "") for seq in sequences for block in seq.blocks}
     buffers = {name: b.detach().clone() for name, b in model.named_buffers()}
     inputs = [p for p in model.parameters() if p.requires_grad]
     if x.requires_grad:
@@ -1196,5 +1215,30 @@ def reconstruction_snr(
             name = names.get(id(block), type(block).__name__)
             if len(forward_inputs) > 1:
                 name = f"{name}[{call}]"
-            results.append(_layer_snr(name, block, z, rebuilt[call]))
+            alpha = None
+            if alphas:
+                alpha = inverse_snr_factor(block, z, noise=noise, seed=seed)
+            results.append(_layer_snr(name, block, z, rebuilt[call], parents.get(id(block), ""), alpha))
     return results
+
+
+def inverse_snr_factor(block: InvertibleModule, x: torch.Tensor, *, noise: float = 1e-6, seed: int = 0) -> float:
+    """The SNR reduction factor ``alpha = SNR_y / SNR_x`` of ``block``'s inverse, measured by noise injection.
+
+    The paper's definition (section 4.1) taken literally: ``y = block(x)``; white Gaussian noise ``e_y`` of
+    standard deviation ``noise * rms(y)`` is added to ``y``; the inverse (with the statistics of this forward)
+    gives ``x_hat``; ``SNR_y = |y|^2 / |e_y|^2`` and ``SNR_x = |x|^2 / |x_hat - x|^2``. Run it in float64 so that
+    rounding is negligible against the injected noise. Running statistics are left untouched.
+    """
+    if not isinstance(block, InvertibleModule):
+        raise FewBitError(f"inverse_snr_factor needs an InvertibleModule, got {type(block).__name__}")
+    check_positive("noise", noise)
+    with torch.no_grad(), frozen_running_stats(block):
+        y, state = block._forward_keep(x)
+        generator = torch.Generator(device="cpu").manual_seed(seed)
+        e = torch.randn(y.shape, generator=generator, dtype=y.dtype).to(y.device)
+        e = e * (noise * y.double().square().mean().sqrt().item())
+        x_hat = block._inverse_kept(y + e, state)
+        snr_y = float(y.double().square().sum() / e.double().square().sum())
+        snr_x = float(x.double().square().sum() / (x_hat.double() - x.double()).square().sum())
+    return snr_y / snr_x
