@@ -1,0 +1,519 @@
+"""The few-bit activation op: forward f(x) with the native torch op, backward grad * q(x) from b-bit codes.
+
+Terms (see :mod:`fewbit_design`): sorted ``boundaries`` cut the real line into intervals, interval m (the number of
+boundaries <= x) has code ``interval_codes[m]`` in [0, 2**bits), and code c has level ``levels[c]``; the
+derivative is approximated by q(x) = levels[code(x)].
+
+Contract (DESIGN.md "Runtime contract"):
+
+* forward returns exactly what the native op returns (it *is* the native op, run without recording autograd), and
+  saves only the packed codes of x (``ceil(n / 8) * bits`` bytes, layout in :mod:`.packing`) plus the constant-size
+  level tensors;
+* backward returns ``grad * levels[code]`` computed in float32 (float64 for float64 gradients), in grad's dtype;
+* the code of x is found by comparing x with the boundaries in the compute dtype (float64 for float64 x, else
+  float32: float16 and bfloat16 upcast exactly). Boundaries are rounded *up* to float32, so ``x >= float32(b)`` holds
+  exactly when ``x >= b`` does: the float32 path follows the table to the last bit.
+
+Layers: ``quantize_reference`` / ``scale_reference`` (pure torch, any device: the oracle), numba CPU kernels
+(:mod:`._numba_kernels`), Triton kernels (:mod:`._triton_kernels`); the launchers ``quantize`` / ``scale`` pick one
+by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`use_backend` force one); the
+custom ops ``torch.ops.fewbit.quantize`` / ``torch.ops.fewbit.scale`` (with fake kernels, for ``torch.compile``);
+and :func:`fewbit_activation`, the autograd entry point used by :mod:`fewbit_design.runtime.nn`.
+
+>>> import torch, torch.nn.functional as F
+>>> from fewbit_design.table import Table
+>>> table = Table(activation="relu", params={}, bits=1, mode="levelsets", symmetric=False,
+...               weight={"kind": "uniform", "low": -10.0, "high": 10.0},
+...               boundaries=[0.0], codes=[0, 1], levels=[0.0, 1.0], error=0.0, snr_db=None)
+>>> x = torch.tensor([-1.0, 0.5, 2.0], requires_grad=True)
+>>> y = fewbit_activation(x, F.relu, table_tensors(table))
+>>> y.sum().backward()
+>>> x.grad.tolist()
+[0.0, 1.0, 1.0]
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple
+
+import numpy as np
+import torch
+
+from ...errors import FewBitError, check_choice
+from ...table import Table
+from .packing import pack_reference, packed_nbytes, unpack_reference
+
+__all__ = [
+    "BACKENDS",
+    "BACKEND_ENV",
+    "TableTensors",
+    "table_tensors",
+    "encode_table",
+    "decode_table",
+    "boundaries_float32",
+    "build_lut32",
+    "build_lut16",
+    "quantize_reference",
+    "scale_reference",
+    "quantize_numba",
+    "scale_numba",
+    "quantize_triton",
+    "scale_triton",
+    "quantize",
+    "scale",
+    "use_backend",
+    "backend_for",
+    "fewbit_activation",
+]
+
+BACKENDS = ("auto", "reference", "numba", "triton")
+BACKEND_ENV = "FEWBIT_BACKEND"
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Table tensors
+
+
+class TableTensors(NamedTuple):
+    """A table as tensors on one device, in both compute dtypes (all constant size)."""
+
+    bits: int
+    boundaries32: torch.Tensor  # float32, each boundary rounded up to the next float32
+    boundaries64: torch.Tensor  # float64, exact
+    interval_codes: torch.Tensor  # uint8, one code per interval
+    levels32: torch.Tensor  # float32 (round to nearest)
+    levels64: torch.Tensor  # float64, exact
+
+    def for_input(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """(boundaries, levels) in the compute dtype of an input of ``dtype``."""
+        if dtype == torch.float64:
+            return self.boundaries64, self.levels64
+        return self.boundaries32, self.levels32
+
+
+def boundaries_float32(boundaries: np.ndarray) -> np.ndarray:
+    """Each boundary rounded up to the smallest float32 >= it: ``x >= result`` iff ``x >= boundary`` for float32 x.
+
+    >>> boundaries_float32(np.array([0.1, 0.5])).tolist() == [np.float32(0.1).item(), 0.5]
+    True
+    """
+    exact = np.asarray(boundaries, dtype=np.float64)
+    rounded = exact.astype(np.float32)
+    below = rounded.astype(np.float64) < exact
+    rounded[below] = np.nextafter(rounded[below], np.float32(np.inf))
+    return rounded
+
+
+def _check_table(table: Any) -> Table:
+    if not isinstance(table, Table):
+        raise FewBitError(f"expected a fewbit_design.table.Table, got {type(table).__name__}")
+    return table
+
+
+def encode_table(table: Table) -> dict[str, torch.Tensor]:
+    """The table as CPU *integer* tensors (float bit patterns), to be registered as module buffers.
+
+    Integer buffers are left alone by ``module.half()`` / ``module.to(torch.bfloat16)``, which would otherwise round
+    boundaries and levels; :func:`decode_table` views them back as floats.
+    """
+    _check_table(table)
+    return {
+        "boundaries32": torch.from_numpy(boundaries_float32(table.boundaries).view(np.int32).copy()),
+        "boundaries64": torch.from_numpy(table.boundaries.astype(np.float64).view(np.int64).copy()),
+        "interval_codes": torch.from_numpy(table.codes.astype(np.uint8)),
+        "levels32": torch.from_numpy(table.levels.astype(np.float32).view(np.int32).copy()),
+        "levels64": torch.from_numpy(table.levels.astype(np.float64).view(np.int64).copy()),
+    }
+
+
+def decode_table(bits: int, encoded: dict[str, torch.Tensor]) -> TableTensors:
+    """Float views of :func:`encode_table`'s tensors (no copy; traceable by ``torch.compile``)."""
+    return TableTensors(
+        bits,
+        encoded["boundaries32"].view(torch.float32),
+        encoded["boundaries64"].view(torch.float64),
+        encoded["interval_codes"],
+        encoded["levels32"].view(torch.float32),
+        encoded["levels64"].view(torch.float64),
+    )
+
+
+_TENSOR_CACHE: weakref.WeakKeyDictionary[Table, dict[str, TableTensors]] = weakref.WeakKeyDictionary()
+_TENSOR_CACHE_LOCK = threading.Lock()
+
+
+def table_tensors(table: Table, device: torch.device | str | None = None) -> TableTensors:
+    """The table's tensors on ``device`` (default CPU), converted once per (table, device) and cached."""
+    _check_table(table)
+    device = torch.device(device if device is not None else "cpu")
+    key = str(device)
+    with _TENSOR_CACHE_LOCK:
+        per_device = _TENSOR_CACHE.setdefault(table, {})
+        if key not in per_device:
+            encoded = {name: tensor.to(device) for name, tensor in encode_table(table).items()}
+            per_device[key] = decode_table(int(table.bits), encoded)
+        return per_device[key]
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Pure-torch reference (the oracle; any device)
+
+
+def _check_input(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> None:
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise FewBitError(f"few-bit activations take float32, float16, bfloat16 or float64 input, got {x.dtype}")
+    expected = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if boundaries.dtype != expected:
+        raise FewBitError(f"boundaries must be {expected} for {x.dtype} input, got {boundaries.dtype}")
+    if interval_codes.numel() != boundaries.numel() + 1:
+        raise FewBitError(
+            f"interval_codes must have len(boundaries) + 1 = {boundaries.numel() + 1} entries, "
+            f"got {interval_codes.numel()}"
+        )
+    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
+        raise FewBitError(f"bits must be an integer from 1 to 8, got {bits!r}")
+
+
+def quantize_reference(
+    x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
+) -> torch.Tensor:
+    """Packed codes of x (flattened in contiguous order): uint8, ``ceil(numel / 8) * bits`` bytes."""
+    _check_input(x, boundaries, interval_codes, bits)
+    flat = x.detach().reshape(-1).to(boundaries.dtype)
+    # interval = number of boundaries <= x (searchsorted right); NaN goes to the last interval
+    interval = torch.searchsorted(boundaries, flat, right=True)
+    interval = torch.where(torch.isnan(flat), boundaries.numel(), interval)
+    codes = interval_codes.to(torch.int64)[interval]
+    return pack_reference(codes, bits)
+
+
+def scale_reference(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """grad * levels[code] computed in the dtype of ``levels``, returned in grad's dtype and shape (contiguous)."""
+    codes = unpack_reference(packed, bits, grad.numel())
+    product = grad.detach().reshape(-1).to(levels.dtype) * levels[codes]
+    return product.to(grad.dtype).reshape(grad.shape)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# numba CPU kernels
+
+
+_LUT_CACHE: dict[tuple, np.ndarray | None] = {}
+_LUT_CACHE_SIZE = 256
+
+
+def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray | None:
+    """The float32 lookup table of ``quantize_pack_lut32``, or None when some bucket holds two code changes.
+
+    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B (as int32) means
+    code = A if (pattern & 0xFFFF) >= t else B. Built by evaluating the exact float32 comparisons (numpy
+    searchsorted, NaN last) at every pattern of the buckets where the interval changes.
+    """
+    boundaries32 = np.ascontiguousarray(boundaries32, dtype=np.float32)
+    codes = np.asarray(interval_codes, dtype=np.int64)
+
+    def intervals(patterns: np.ndarray) -> np.ndarray:
+        return np.searchsorted(boundaries32, patterns.astype(np.uint32).view(np.float32), side="right")
+
+    buckets = np.arange(65536, dtype=np.uint64) << np.uint64(16)
+    first = intervals(buckets)
+    last = intervals(buckets | np.uint64(0xFFFF))
+    threshold = np.zeros(65536, dtype=np.uint64)
+    above = codes[first].astype(np.uint64)
+    below = above.copy()
+    lows = np.arange(65536, dtype=np.uint64)
+    for bucket in np.nonzero(first != last)[0]:
+        bucket_codes = codes[intervals((np.uint64(bucket) << np.uint64(16)) | lows)]
+        changes = np.nonzero(bucket_codes[1:] != bucket_codes[:-1])[0]
+        if len(changes) == 0:
+            continue
+        if len(changes) > 1:
+            return None
+        threshold[bucket] = changes[0] + 1
+        below[bucket] = bucket_codes[0]
+        above[bucket] = bucket_codes[-1]
+    entries = (threshold << np.uint64(16)) | (above << np.uint64(8)) | below
+    return entries.astype(np.uint32).view(np.int32)
+
+
+def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
+    """Code of every float16 or bfloat16 bit pattern (uint8[65536]), compared in float32 (exact upcast)."""
+    patterns = np.arange(65536, dtype=np.uint32)
+    if dtype == torch.float16:
+        values = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
+    elif dtype == torch.bfloat16:
+        values = (patterns << np.uint32(16)).view(np.float32)
+    else:
+        raise FewBitError(f"build_lut16 takes float16 or bfloat16, got {dtype}")
+    intervals = np.searchsorted(np.asarray(boundaries32, dtype=np.float32), values, side="right")
+    return np.asarray(interval_codes, dtype=np.uint8)[intervals]
+
+
+def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor) -> np.ndarray | None:
+    # keyed by content (a few hundred bytes), so equal tables share a LUT and a reused address never aliases
+    boundaries_np = boundaries.detach().cpu().numpy()
+    codes_np = interval_codes.detach().cpu().numpy()
+    key = (str(dtype), boundaries_np.tobytes(), codes_np.tobytes())
+    if key not in _LUT_CACHE:
+        if len(_LUT_CACHE) >= _LUT_CACHE_SIZE:
+            _LUT_CACHE.clear()
+        if dtype == torch.float32:
+            _LUT_CACHE[key] = build_lut32(boundaries_np, codes_np)
+        else:
+            _LUT_CACHE[key] = build_lut16(dtype, boundaries_np, codes_np)
+    return _LUT_CACHE[key]
+
+
+def _numba_kernels():
+    from . import _numba_kernels
+
+    return _numba_kernels
+
+
+def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
+    return tensor.detach().reshape(-1).contiguous()
+
+
+def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """numba CPU kernel of :func:`quantize_reference` (bitwise equal)."""
+    _check_input(x, boundaries, interval_codes, bits)
+    if x.device.type != "cpu":
+        raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
+    numel = x.numel()
+    out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
+    if numel == 0:
+        return out
+    kernels = _numba_kernels()
+    flat = _flat_contiguous(x)
+    out_np = out.numpy()
+    if x.dtype in (torch.float16, torch.bfloat16):
+        lut16 = _cached_lut(x.dtype, boundaries, interval_codes)
+        kernels.quantize_pack_lut16(flat.view(torch.int16).numpy().view(np.uint16), lut16, bits, out_np)
+        return out
+    lut32 = _cached_lut(x.dtype, boundaries, interval_codes) if x.dtype == torch.float32 else None
+    if lut32 is not None:
+        kernels.quantize_pack_lut32(flat.numpy().view(np.int32), lut32, bits, out_np)
+    else:
+        codes_np = interval_codes.detach().cpu().numpy()
+        kernels.quantize_pack_compare(flat.numpy(), boundaries.detach().cpu().numpy(), codes_np, bits, out_np)
+    return out
+
+
+def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """numba CPU kernel of :func:`scale_reference` (bitwise equal)."""
+    if grad.device.type != "cpu":
+        raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {grad.device}")
+    _check_packed(packed, bits, grad.numel())
+    if grad.numel() == 0:
+        return torch.empty_like(grad, memory_format=torch.contiguous_format)
+    kernels = _numba_kernels()
+    flat = _flat_contiguous(grad)
+    if flat.dtype != levels.dtype:  # float16 / bfloat16 gradients: compute in float32, round once at the end
+        flat = flat.to(levels.dtype)
+    out = torch.empty_like(flat)
+    kernels.unpack_scale(flat.numpy(), packed.detach().numpy(), levels.detach().cpu().numpy(), bits, out.numpy())
+    return out.to(grad.dtype).reshape(grad.shape)
+
+
+def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel, bits):
+        raise FewBitError(
+            f"packed codes must be {packed_nbytes(numel, bits)} uint8 bytes for {numel} elements at {bits} bits, "
+            f"got {packed.numel()} {packed.dtype}"
+        )
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _triton_kernels():
+    from . import _triton_kernels
+
+    return _triton_kernels
+
+
+def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Triton kernel of :func:`quantize_reference` (bitwise equal)."""
+    _check_input(x, boundaries, interval_codes, bits)
+    numel = x.numel()
+    out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
+    if numel == 0:
+        return out
+    kernels = _triton_kernels()
+    flat = _flat_contiguous(x)
+    block = kernels.BLOCK_GROUPS
+    grid = (_cdiv(_cdiv(numel, 8), block),)
+    kernels._fewbit_forward_kernel[grid](
+        flat,
+        boundaries.contiguous(),
+        interval_codes.to(torch.int32).contiguous(),
+        out,
+        numel,
+        boundaries.numel(),
+        BITS=bits,
+        BLOCK_GROUPS=block,
+    )
+    return out
+
+
+def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """Triton kernel of :func:`scale_reference` (bitwise equal)."""
+    numel = grad.numel()
+    _check_packed(packed, bits, numel)
+    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
+    if numel == 0:
+        return out
+    kernels = _triton_kernels()
+    block = kernels.BLOCK_GROUPS
+    grid = (_cdiv(_cdiv(numel, 8), block),)
+    kernels._fewbit_backward_kernel[grid](
+        _flat_contiguous(grad),
+        packed,
+        levels.contiguous(),
+        out,
+        numel,
+        BITS=bits,
+        BLOCK_GROUPS=block,
+        OUT_BF16=grad.dtype == torch.bfloat16,
+    )
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Dispatch
+
+
+_forced = threading.local()
+
+
+@contextlib.contextmanager
+def use_backend(name: str | None) -> Iterator[None]:
+    """Force a backend ('reference', 'numba', 'triton' or 'auto') inside the block (this thread), e.g. in tests.
+
+    Outside any block the ``FEWBIT_BACKEND`` environment variable decides (default 'auto': CUDA -> Triton,
+    CPU -> numba, other devices -> reference; a backend that cannot be imported falls back to the reference).
+    """
+    if name is not None:
+        check_choice("backend", name, BACKENDS)
+    previous = getattr(_forced, "name", None)
+    _forced.name = name
+    try:
+        yield
+    finally:
+        _forced.name = previous
+
+
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec(module) is not None
+
+
+def backend_for(device: torch.device) -> str:
+    """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
+    name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
+    check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
+    if name != "auto":
+        return name
+    if device.type == "cuda" and _importable("triton"):
+        return "triton"
+    if device.type == "cpu" and _importable("numba"):
+        return "numba"
+    return "reference"
+
+
+_QUANTIZE = {"reference": quantize_reference, "numba": quantize_numba, "triton": quantize_triton}
+_SCALE = {"reference": scale_reference, "numba": scale_numba, "triton": scale_triton}
+
+
+def quantize(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """Packed codes of x with the backend for x's device."""
+    return _QUANTIZE[backend_for(x.device)](x, boundaries, interval_codes, bits)
+
+
+def scale(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    """grad * levels[code] with the backend for grad's device."""
+    return _SCALE[backend_for(grad.device)](grad, packed, levels, bits)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Custom ops (one namespace, fake kernels for torch.compile / FakeTensor)
+
+
+@torch.library.custom_op("fewbit::quantize", mutates_args=())
+def _quantize_op(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return quantize(x, boundaries, interval_codes, bits)
+
+
+@_quantize_op.register_fake
+def _(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    return x.new_empty(((x.numel() + 7) // 8) * bits, dtype=torch.uint8)
+
+
+@torch.library.custom_op("fewbit::scale", mutates_args=())
+def _scale_op(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    return scale(grad, packed, levels, bits)
+
+
+@_scale_op.register_fake
+def _(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
+    return torch.empty_like(grad, memory_format=torch.contiguous_format)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Autograd
+
+
+SECOND_ORDER_MESSAGE = (
+    "few-bit activations do not support higher-order gradients (backward with create_graph=True): "
+    "they store only {bits}-bit codes of the input, not the input; use the native torch activation for "
+    "double backward"
+)
+
+
+class _FewBitFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
+        # the native op, not recorded by autograd: y is bitwise the native module's output and x is not saved
+        y = native(x)
+        packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
+        ctx.save_for_backward(packed, levels32, levels64)
+        ctx.bits = bits
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise FewBitError(SECOND_ORDER_MESSAGE.format(bits=ctx.bits))
+        packed, levels32, levels64 = ctx.saved_tensors
+        levels = levels64 if grad.dtype == torch.float64 else levels32
+        grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
+        return grad_input, None, None, None, None, None, None
+
+
+def fewbit_activation(
+    x: torch.Tensor, native: Callable[[torch.Tensor], torch.Tensor], tensors: TableTensors
+) -> torch.Tensor:
+    """``native(x)``, with a backward that uses the table in ``tensors`` and stores ``tensors.bits`` bits per element.
+
+    Without autograd (x does not require grad, or grad mode is off) this is just ``native(x)``.
+    """
+    if not (torch.is_grad_enabled() and x.requires_grad):
+        return native(x)
+    if x.dtype not in SUPPORTED_DTYPES:
+        raise FewBitError(f"few-bit activations take float32, float16, bfloat16 or float64 input, got {x.dtype}")
+    boundaries, _ = tensors.for_input(x.dtype)
+    return _FewBitFunction.apply(
+        x, boundaries, tensors.interval_codes, tensors.levels32, tensors.levels64, tensors.bits, native
+    )
