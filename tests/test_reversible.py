@@ -101,9 +101,10 @@ def test_dropout_is_replayed_and_the_callers_rng_is_untouched():
     assert relative_error(wrong, want) > 1e-3
 
 
-def test_layerwise_gradients_within_the_tolerance_its_snr_predicts():
+@pytest.mark.parametrize("slope,depth", [(0.5, 2), (0.1, 8)])
+def test_layerwise_gradients_within_the_tolerance_its_snr_predicts(slope, depth):
     torch.manual_seed(0)
-    model = small_net("layerwise", depth=2, negative_slope=0.5).double()
+    model = small_net("layerwise", depth=depth, negative_slope=slope).double()
     oracle = oracle_of(model)
     x = torch.randn(4, 3, 8, 12, dtype=torch.float64)
     _, grad_output, got = gradients(model, x, None)
@@ -111,7 +112,10 @@ def test_layerwise_gradients_within_the_tolerance_its_snr_predicts():
     worst_snr_db = min(r.snr_db for r in R.reconstruction_snr(model, x))
     predicted = 10 ** (-worst_snr_db / 20)  # relative amplitude of the worst reconstruction error
     error = relative_error(got, want)
-    assert 0 < error < 100 * predicted, (error, predicted)
+    # 1e-13: two float64 computations of the same gradients in a different order differ by that much anyway
+    assert 0 < error <= 10 * predicted + 1e-13, (error, predicted)
+    if predicted > 1e-11:  # where reconstruction dominates, the gradient error follows it (0.2x here)
+        assert error > 0.01 * predicted and error > 1e-10, (error, predicted)
 
 
 def test_running_statistics_after_one_training_step_equal_the_oracle():
