@@ -257,28 +257,47 @@ def chain_snr_db(output_snr_db: float, alphas: Sequence[float]) -> np.ndarray:
     return snr - np.cumsum(alpha_db(_array("alphas", alphas)))
 
 
-def accumulated_snr_db(alphas: Sequence[float], *, fresh_snr_db: float, output_snr_db: float = math.inf) -> np.ndarray:
-    """SNR (dB) along a chain of inverses computed in floating point: eq. 19 plus the rounding of each layer.
+def accumulated_snr_db(
+    alphas: Sequence[float], *, fresh_snr_db: float | Sequence[float], output_snr_db: float = math.inf
+) -> np.ndarray:
+    """SNR (dB) along a chain of inverses computed in floating point: eq. 19 plus each layer's own rounding.
 
-    Each layer's output carries fresh rounding noise of relative power ``10^(-fresh_snr_db / 10)`` on top of
-    the noise accumulated above it; its inverse amplifies the sum by its factor alpha. In noise-to-signal
-    ratios, from the output (NSR_0 from ``output_snr_db``, 0 for an exact output) down:
+    Rebuilding layer k's input from a noisy output amplifies the noise arriving from above by the layer's factor
+    alpha_k and adds the layer's own round-trip error (forward rounding seen through the inverse, plus the
+    inverse's rounding), of relative power ``delta_k = 10^(-fresh_snr_db[k] / 10)``. In noise-to-signal ratios,
+    from the output (NSR_0 from ``output_snr_db``, 0 for an exact output) down:
 
-        NSR_k = alpha_k (NSR_{k-1} + 10^(-fresh_snr_db / 10)),     SNR_k = -10 log10(NSR_k).
+        NSR_k = alpha_k NSR_{k-1} + delta_k,      SNR_k = -10 log10(NSR_k).
 
-    Far below the rounding floor the fresh term is negligible and the dB losses add as in
-    :func:`chain_snr_db`; near it the fresh noise dominates. The same ordering as :func:`chain_snr_db`.
+    Far below the rounding floor the deltas are negligible and the dB losses add as in :func:`chain_snr_db`
+    (``fresh_snr_db=inf``: no rounding). ``fresh_snr_db`` is one value for every layer or one per layer; the same
+    ordering as :func:`chain_snr_db` (``alphas[0]`` is the last layer, inverted first).
+
+    >>> accumulated_snr_db([10.0, 10.0], fresh_snr_db=100.0).round(3).tolist()   # 1e-10, then 1e-9 + 1e-10
+    [100.0, 89.586]
     """
     a = _array("alphas", alphas)
     if np.any(a <= 0):
         raise FewBitError("SNR reduction factors must be > 0")
-    fresh = 10.0 ** (-check_finite("fresh SNR (dB)", fresh_snr_db) / 10)
-    nsr = 0.0 if output_snr_db == math.inf else 10.0 ** (-check_finite("output SNR (dB)", output_snr_db) / 10)
+    if np.ndim(fresh_snr_db) == 0:
+        fresh = [_nsr("fresh SNR (dB)", fresh_snr_db)] * a.size
+    else:
+        fresh = [_nsr("fresh SNR (dB)", value) for value in fresh_snr_db]
+        if len(fresh) != a.size:
+            raise FewBitError(f"fresh_snr_db must have one value per layer ({a.size}), got {len(fresh)}")
+    nsr = _nsr("output SNR (dB)", output_snr_db)
     out = np.empty(a.size)
     for k, alpha in enumerate(a):
-        nsr = alpha * (nsr + fresh)
+        nsr = alpha * nsr + fresh[k]
         out[k] = -10 * math.log10(nsr) if nsr > 0 else math.inf
     return out
+
+
+def _nsr(name: str, snr_db: object) -> float:
+    """Noise-to-signal power ratio of an SNR in dB; ``inf`` dB (no noise) gives 0."""
+    if snr_db == math.inf:
+        return 0.0
+    return 10.0 ** (-check_finite(name, snr_db) / 10)
 
 
 _MANTISSA_BITS = {"float64": 53, "float32": 24, "bfloat16": 8, "float16": 11}
@@ -290,8 +309,8 @@ def rounding_snr_db(dtype: str = "float32") -> float:
     With p significand bits, a value in ``[2^e, 2^(e+1))`` is rounded with an error uniform in
     ``+-ulp/2``, ``ulp = 2^(e - p + 1)``: error power ``ulp^2 / 12 = 2^(2e - 2p) / 3``. For values spread
     uniformly over the binade, ``E[x^2] = (7/3) 2^(2e)``. So ``SNR = 7 * 2^(2p)``: 152.9 dB for float32
-    (p = 24), 56.6 dB for bfloat16, 327.5 dB for float64. Each layer of an inverse chain rounds a few times,
-    so its fresh noise sits a few dB below this.
+    (p = 24), 56.6 dB for bfloat16, 327.5 dB for float64. A layer's round trip rounds a few times, so its own
+    error (the ``fresh_snr_db`` of :func:`accumulated_snr_db`) sits a few dB below this.
     """
     from .errors import check_choice
 

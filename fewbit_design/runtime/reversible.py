@@ -1103,6 +1103,8 @@ class LayerSNR:
         sequence: qualified name of the :class:`ReversibleSequence` the block belongs to.
         alpha: the block's SNR reduction factor measured by noise injection on ``z``
             (:func:`inverse_snr_factor`), when asked for with ``alphas=True``; else ``None``.
+        roundtrip_snr_db: SNR of ``inverse(forward(z))`` against ``z`` for this block alone, in the model's dtype
+            (its own rounding error), with ``alphas=True``; else ``None``.
     """
 
     name: str
@@ -1117,21 +1119,38 @@ class LayerSNR:
     module: nn.Module
     sequence: str = ""
     alpha: float | None = None
+    roundtrip_snr_db: float | None = None
+
+
+def _snr_db(z: torch.Tensor, z_hat: torch.Tensor) -> tuple[float, float, float]:
+    """(SNR in dB, signal power, noise power) of ``z_hat`` as an estimate of ``z``, computed in float64."""
+    z = z.double()
+    signal = float(z.square().mean())
+    noise = float((z - z_hat.double()).square().mean())
+    if not math.isfinite(noise):
+        return math.nan, signal, noise
+    if noise == 0:
+        return math.inf, signal, noise
+    return (10 * math.log10(signal / noise) if signal > 0 else -math.inf), signal, noise
+
+
+def _roundtrip_snr_db(block: InvertibleModule, z: torch.Tensor) -> float:
+    with torch.no_grad(), frozen_running_stats(block):
+        y, state = block._forward_keep(z)
+        return _snr_db(z, block._inverse_kept(y, state))[0]
 
 
 def _layer_snr(
-    name: str, block: nn.Module, z: torch.Tensor, z_hat: torch.Tensor, sequence: str, alpha: float | None
+    name: str,
+    block: nn.Module,
+    z: torch.Tensor,
+    z_hat: torch.Tensor,
+    sequence: str,
+    alpha: float | None,
+    roundtrip: float | None,
 ) -> LayerSNR:
+    snr_db, signal, noise = _snr_db(z, z_hat)
     z = z.double()
-    z_hat = z_hat.double()
-    signal = float(z.square().mean())
-    noise = float((z - z_hat).square().mean())
-    if not math.isfinite(noise):
-        snr_db = math.nan
-    elif noise == 0:
-        snr_db = math.inf
-    else:
-        snr_db = 10 * math.log10(signal / noise) if signal > 0 else -math.inf
     dims = [d for d in range(z.dim()) if d != 1] if z.dim() > 1 else [0]
     channel_mean = z.mean(dim=dims).reshape(-1)
     channel_var = (z - z.mean(dim=dims, keepdim=True)).square().mean(dim=dims).reshape(-1)
@@ -1150,6 +1169,7 @@ def _layer_snr(
         module=block,
         sequence=sequence,
         alpha=alpha,
+        roundtrip_snr_db=roundtrip,
     )
 
 
@@ -1173,7 +1193,8 @@ def reconstruction_snr(
     The model's parameters, gradients (``.grad``) and buffers (running statistics) are left as they were;
     the gradient fed to the output is ``grad_output`` or a fixed random tensor drawn from ``seed``. With
     ``alphas=True`` each block's SNR reduction factor is also measured by injecting white noise of relative
-    amplitude ``noise`` at its output (:func:`inverse_snr_factor`, on the block's forward input).
+    amplitude ``noise`` at its output (:func:`inverse_snr_factor`, on the block's forward input), and its own
+    round-trip error ``inverse(forward(z))`` in the model's dtype.
     """
     global _RECORDER
     if not isinstance(model, nn.Module):
@@ -1215,10 +1236,11 @@ def reconstruction_snr(
             name = names.get(id(block), type(block).__name__)
             if len(forward_inputs) > 1:
                 name = f"{name}[{call}]"
-            alpha = None
+            alpha = roundtrip = None
             if alphas:
                 alpha = inverse_snr_factor(block, z, noise=noise, seed=seed)
-            results.append(_layer_snr(name, block, z, rebuilt[call], parents.get(id(block), ""), alpha))
+                roundtrip = _roundtrip_snr_db(block, z)
+            results.append(_layer_snr(name, block, z, rebuilt[call], parents.get(id(block), ""), alpha, roundtrip))
     return results
 
 

@@ -1,0 +1,357 @@
+"""``fewbit-design snr``: SNR figures.
+
+Two modes:
+
+* **reconstruction** (default): how much signal the inverse layers of reversible networks lose, theory against
+  measurement, in the spirit of figures 5, 6, 10 and 11 of Hascoet et al. 2023. Needs PyTorch.
+* **approximation** (``--bits 1-8 ACTIVATION...``): the SNR in dB of the few-bit derivative approximations
+  against the number of bits. Needs only the design engine.
+
+The reconstruction theory: batch-norm and leaky-ReLU factors from the closed forms of :mod:`fewbit_design.snr`
+evaluated with each layer's measured input statistics; other blocks (couplings, poolings) with their factor
+measured by noise injection; the chain by :func:`fewbit_design.snr.accumulated_snr_db` (eq. 19: factors multiply
+along the chain), where each block also adds its own round-trip rounding error, measured on that block alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import sys
+from typing import Any
+
+import click
+import numpy as np
+
+from . import snr as theory
+from .cli import cli
+from .errors import FewBitError, check_choice, check_positive, parse_int_spec
+from .table import check_writable, write_bytes_atomic, write_text_atomic
+
+ARCHS = ("layerwise", "hybrid", "both")
+DTYPES = ("float32", "float64")
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+CSV_COLUMNS = ("panel", "arch", "slope", "rho", "depth", "index", "layer", "kind", "measured", "theory")
+
+
+def _parse_slopes(text: str) -> list[float]:
+    slopes = []
+    for part in str(text).split(","):
+        if not part.strip():
+            raise FewBitError(f"--slope must be a comma-separated list of numbers > 0, got {text!r}")
+        try:
+            value = float(part)
+        except ValueError:
+            raise FewBitError(f"--slope must be a comma-separated list of numbers > 0, got {text!r}") from None
+        slopes.append(check_positive("--slope value", value))
+    return sorted(set(slopes))
+
+
+def _import_torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise FewBitError(
+            "fewbit-design snr needs PyTorch for the reconstruction measurements (pip install torch); "
+            "the --bits ACTIVATION mode does not"
+        ) from None
+    return torch
+
+
+@cli.command("snr")
+@click.argument("activations", nargs=-1)
+@click.option("--bits", default=None, help="Approximation mode: bits to design, e.g. 1-8 or 2,4 (needs ACTIVATION).")
+@click.option("--weight", default="uniform", show_default=True, help="Approximation mode: weight kind w(x).")
+@click.option("--mode", "design_mode", default="levelsets", show_default=True, help="Approximation mode: design mode.")
+@click.option("--slope", default=None, help="Leaky-ReLU negative slopes [default: 0.1,0.2,0.5].")
+@click.option("--depth", default=None, help="Depths (units or blocks) to measure, e.g. 1-64 [default: 1,2,4,8,16].")
+@click.option("--arch", default=None, help="layerwise, hybrid or both [default: both].")
+@click.option("--channels", type=int, default=None, help="Channels after the stem [default: 8].")
+@click.option("--batch", type=int, default=None, help="Batch size of the measurement [default: 4].")
+@click.option("--size", type=int, default=None, help="Height and width of the input [default: 8].")
+@click.option("--dtype", default=None, help="float32 or float64 [default: float32].")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs.")
+@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Figure file (.png, .pdf, .svg).")
+@click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the numbers.")
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+def snr_command(
+    activations: tuple[str, ...],
+    bits: str | None,
+    weight: str,
+    design_mode: str,
+    slope: str | None,
+    depth: str | None,
+    arch: str | None,
+    channels: int | None,
+    batch: int | None,
+    size: int | None,
+    dtype: str | None,
+    seed: int,
+    out: str,
+    csv_path: str | None,
+    force: bool,
+) -> None:
+    """SNR figures: reversible reconstruction (theory vs measurement) or few-bit approximations vs bits.
+
+    \b
+    Examples:
+      fewbit-design snr --slope 0.1,0.2,0.5 --depth 1-16 --arch both --out snr.png --csv snr.csv
+      fewbit-design snr --bits 1-8 gelu silu --out bits.png
+
+    \b
+    Reconstruction figure panels: (a) leaky-ReLU factor alpha vs slope, (b) batch-norm factor of the toy
+    layer gamma = [1, rho] vs rho, (c) SNR of every reconstructed layer at the largest depth, (d) SNR of the
+    reconstructed network input vs depth. CSV columns: panel, arch, slope, rho, depth, index, layer, kind,
+    measured, theory (alpha for panels a-b, dB for c-d).
+    """
+    out_path = check_writable(out, force=force)
+    if out_path.suffix.lower() not in FIGURE_SUFFIXES:
+        raise FewBitError(f"--out must end in {', '.join(FIGURE_SUFFIXES)}, got {out!r}")
+    csv_file = check_writable(csv_path, force=force) if csv_path else None
+    if csv_file is not None and csv_file.resolve() == out_path.resolve():
+        raise FewBitError("--csv and --out must be different files")
+    if bits is not None or activations:
+        given = {
+            "--slope": slope,
+            "--depth": depth,
+            "--arch": arch,
+            "--channels": channels,
+            "--batch": batch,
+            "--size": size,
+            "--dtype": dtype,
+        }
+        extra = [name for name, value in given.items() if value is not None]
+        if extra:
+            raise FewBitError(f"{', '.join(extra)} apply to the reconstruction mode, not to --bits ACTIVATION")
+        if not activations:
+            raise FewBitError("--bits needs at least one ACTIVATION, e.g. fewbit-design snr --bits 1-8 gelu")
+        bit_list = parse_int_spec(bits if bits is not None else "1-8", name="bits", low=1, high=8)
+        rows, figure = _approximation(list(activations), bit_list, weight=weight, mode=design_mode)
+    else:
+        slopes = _parse_slopes(slope if slope is not None else "0.1,0.2,0.5")
+        depths = parse_int_spec(depth if depth is not None else "1,2,4,8,16", name="depth", low=1, high=256)
+        arch_name = check_choice("--arch", arch if arch is not None else "both", ARCHS)
+        archs = ["layerwise", "hybrid"] if arch_name == "both" else [arch_name]
+        dtype_name = check_choice("--dtype", dtype if dtype is not None else "float32", DTYPES)
+        width = _positive_int("--channels", channels, 8)
+        if width % 4:
+            raise FewBitError(f"--channels must be divisible by 4 (the hybrid splits twice), got {width}")
+        rows, figure = _reconstruction(
+            slopes,
+            depths,
+            archs,
+            channels=width,
+            batch=_positive_int("--batch", batch, 4),
+            size=_even_size(size),
+            dtype=dtype_name,
+            seed=seed,
+        )
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format=out_path.suffix.lstrip(".").lower(), dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(figure)
+    write_bytes_atomic(out_path, buffer.getvalue(), force=force)
+    if csv_file is not None:
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS if rows and "panel" in rows[0] else list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+        write_text_atomic(csv_file, text.getvalue(), force=force)
+    click.echo(f"wrote {out_path}" + (f" and {csv_file}" if csv_file is not None else ""))
+
+
+def _positive_int(name: str, value: int | None, default: int) -> int:
+    value = default if value is None else value
+    if value < 1:
+        raise FewBitError(f"{name} must be >= 1, got {value}")
+    return value
+
+
+def _even_size(size: int | None) -> int:
+    size = 8 if size is None else size
+    if size < 2 or size % 2:
+        raise FewBitError(f"--size must be an even number >= 2 (the batch pooling stacks 2x2 blocks), got {size}")
+    return size
+
+
+def _pyplot() -> Any:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Approximation mode.
+
+
+def _approximation(activations: list[str], bits: list[int], *, weight: str, mode: str):
+    try:
+        from .design import design  # noqa: F401
+    except ImportError:
+        raise FewBitError("the design engine (fewbit_design.design) is not available in this installation") from None
+    rows = []
+    curves = {}
+    for activation in activations:
+        results = theory.approximation_snr_db(activation, bits, weight=weight, mode=mode)
+        curves[activation] = results
+        rows.extend(
+            {"activation": activation, "bits": b, "snr_db": snr_db, "error": error} for b, snr_db, error in results
+        )
+    plt = _pyplot()
+    figure, axes = plt.subplots(figsize=(6.4, 4.4))
+    for activation, results in curves.items():
+        axes.plot([r[0] for r in results], [r[1] for r in results], marker="o", label=activation)
+    axes.set_xlabel("bits per element")
+    axes.set_ylabel("SNR of the derivative approximation (dB)")
+    axes.set_title(f"Few-bit derivative approximations ({mode}, weight {weight})")
+    axes.set_xticks(bits)
+    axes.grid(True, alpha=0.3)
+    axes.legend()
+    figure.tight_layout()
+    return rows, figure
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# Reconstruction mode.
+
+
+def _theory_alpha(record: Any, reversible: Any) -> float:
+    """Closed-form factor of a batch norm or leaky ReLU with its measured input statistics; injected otherwise."""
+    module = record.module
+    if isinstance(module, reversible.InvertibleLeakyReLU):
+        return theory.leaky_relu_alpha(
+            module.negative_slope, positive_fraction=record.positive_fraction, positive_energy=record.positive_energy
+        )
+    if isinstance(module, reversible.InvertibleBatchNorm2d):
+        return theory.batchnorm_alpha(
+            module.weight.detach().double().cpu().numpy(),
+            beta=module.bias.detach().double().cpu().numpy(),
+            mean=record.channel_mean,
+            var=record.channel_var,
+            eps=module.eps,
+            floor=module.gamma_floor,
+        )
+    return float(record.alpha)
+
+
+def _measure_network(arch: str, slope: float, depth: int, *, channels, batch, size, dtype, seed, torch, reversible):
+    torch.manual_seed(seed)
+    build = reversible.layerwise_net if arch == "layerwise" else reversible.hybrid_net
+    model = build(depth, channels, negative_slope=slope, pooling=("batch",), input_size=(size, size))
+    model = model.to(getattr(torch, dtype))
+    generator = torch.Generator().manual_seed(seed + 1)
+    x = torch.randn(batch, 3, size, size, generator=generator, dtype=getattr(torch, dtype))
+    records = reversible.reconstruction_snr(model, x, alphas=True, seed=seed)
+    top = [r for r in records if r.sequence == "body"]
+    alphas = [_theory_alpha(r, reversible) for r in top]
+    fresh = [r.roundtrip_snr_db for r in top]
+    predicted = theory.accumulated_snr_db(alphas[::-1], fresh_snr_db=fresh[::-1])[::-1]
+    return records, {id(r): float(p) for r, p in zip(top, predicted, strict=True)}, top[0]
+
+
+def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed):
+    torch = _import_torch()
+    from .runtime import reversible
+
+    rows: list[dict[str, Any]] = []
+
+    def row(panel, **values):
+        entry = dict.fromkeys(CSV_COLUMNS, "")
+        entry.update(panel=panel, **values)
+        rows.append(entry)
+
+    # (a) leaky ReLU, (b) toy batch norm: closed form vs noise injection in float64.
+    generator = torch.Generator().manual_seed(seed)
+    z = torch.randn(64, 2, 16, 16, generator=generator, dtype=torch.float64)
+    slope_measured = {}
+    for n in slopes:
+        slope_measured[n] = reversible.inverse_snr_factor(reversible.InvertibleLeakyReLU(n), z, noise=1e-6, seed=seed)
+        row("alpha_slope", slope=n, measured=slope_measured[n], theory=theory.leaky_relu_alpha(n))
+    rhos = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
+    rho_measured = {}
+    for rho in rhos:
+        bn = reversible.InvertibleBatchNorm2d(2, gamma_floor=0.0).double()
+        with torch.no_grad():
+            bn.weight.copy_(torch.tensor([1.0, rho], dtype=torch.float64))
+        rho_measured[rho] = reversible.inverse_snr_factor(bn, z, noise=1e-6, seed=seed)
+        row("alpha_bn_toy", rho=rho, measured=rho_measured[rho], theory=theory.batchnorm_alpha_toy(rho))
+
+    # (c), (d): networks.
+    options = dict(
+        channels=channels, batch=batch, size=size, dtype=dtype, seed=seed, torch=torch, reversible=reversible
+    )
+    profiles = {}
+    bottom = {}
+    with click.progressbar(length=len(archs) * len(slopes) * len(depths), label="measuring", file=sys.stderr) as bar:
+        for arch in archs:
+            for n in slopes:
+                for d in depths:
+                    records, predicted, first = _measure_network(arch, n, d, **options)
+                    bottom[arch, n, d] = (first.snr_db, predicted[id(first)])
+                    row("input_vs_depth", arch=arch, slope=n, depth=d, layer=first.name, kind=first.kind,
+                        measured=first.snr_db, theory=predicted[id(first)])  # fmt: skip
+                    if d == max(depths):
+                        profiles[arch, n] = [(r, predicted.get(id(r))) for r in records]
+                        for index, (r, p) in enumerate(profiles[arch, n]):
+                            row("per_layer", arch=arch, slope=n, depth=d, index=index, layer=r.name, kind=r.kind,
+                                measured=r.snr_db, theory="" if p is None else p)  # fmt: skip
+                    bar.update(1)
+
+    plt = _pyplot()
+    figure, axes = plt.subplots(2, 2, figsize=(12, 9))
+    colors = {n: f"C{i}" for i, n in enumerate(slopes)}
+    styles = {"layerwise": "-", "hybrid": ":"}
+
+    ax = axes[0, 0]
+    grid = np.geomspace(0.05, 1.0, 200)
+    ax.plot(grid, theory.alpha_db(theory.leaky_relu_alpha(grid)), "k-", label="theory (1+n²)²/(4n²)")
+    ax.plot(slopes, [theory.alpha_db(slope_measured[n]) for n in slopes], "ro", label="measured (noise injection)")
+    ax.set_xscale("log")
+    ax.set_xlabel("leaky ReLU negative slope n")
+    ax.set_ylabel("SNR reduction 10 log10(alpha) (dB)")
+    ax.set_title("(a) Leaky ReLU inverse")
+    ax.legend()
+
+    ax = axes[0, 1]
+    grid = np.geomspace(rhos[0], rhos[-1], 200)
+    ax.plot(grid, theory.alpha_db(theory.batchnorm_alpha_toy(grid)), "k-", label="theory (1+ρ²)(1+ρ⁻²)/4")
+    ax.plot(rhos, [theory.alpha_db(rho_measured[r]) for r in rhos], "ro", label="measured (noise injection)")
+    ax.set_xscale("log")
+    ax.set_xlabel("scale imbalance ρ (γ = [1, ρ])")
+    ax.set_ylabel("SNR reduction 10 log10(alpha) (dB)")
+    ax.set_title("(b) Batch-norm inverse, toy layer")
+    ax.legend()
+
+    ax = axes[1, 0]
+    for (arch, n), profile in profiles.items():
+        index = np.arange(len(profile))
+        ax.plot(index, [r.snr_db for r, _ in profile], styles[arch], color=colors[n], label=f"{arch}, n={n:g}")
+        known = [(i, p) for i, (_, p) in enumerate(profile) if p is not None]
+        if known and arch == "layerwise":
+            ax.plot(*zip(*known, strict=True), "--", color=colors[n], alpha=0.6)
+    ax.set_xlabel("layer (forward order)")
+    ax.set_ylabel("SNR of the reconstructed input (dB)")
+    ax.set_title(f"(c) Per-layer reconstruction, depth {max(depths)} ({dtype}); dashed: theory")
+    ax.legend(fontsize="small")
+
+    ax = axes[1, 1]
+    for arch in archs:
+        for n in slopes:
+            measured = [bottom[arch, n, d][0] for d in depths]
+            predicted = [bottom[arch, n, d][1] for d in depths]
+            ax.plot(depths, measured, "o" + styles[arch], color=colors[n], label=f"{arch}, n={n:g} measured")
+            ax.plot(depths, predicted, "--", color=colors[n], alpha=0.5)
+    ax.set_xlabel("depth (units for layerwise, blocks for hybrid)")
+    ax.set_ylabel("SNR of the reconstructed network input (dB)")
+    ax.set_title("(d) Reconstruction of the input vs depth; dashed: theory")
+    ax.legend(fontsize="small")
+    for ax in axes[1]:
+        ax.axhline(0, color="grey", linewidth=0.5)
+        ax.grid(True, alpha=0.3)
+    figure.suptitle("Reversible designs: SNR of activations reconstructed by inverses (theory vs measurement)")
+    figure.tight_layout()
+    return rows, figure
