@@ -1,0 +1,90 @@
+"""Measured reconstruction SNR of the runtime's invertible layers and networks against fewbit_design.snr.
+
+Single layers: the factor measured by noise injection on the torch layers (float64) against the closed forms.
+Networks: float32 forward/backward, where every error comes from rounding; the layer-wise prediction chains the
+closed-form factors with each layer's own round-trip error (eq. 19 plus rounding).
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fewbit_design import snr
+from fewbit_design.cli_snr import _measure_network
+from fewbit_design.runtime import reversible as R
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def z_input(seed: int = 0) -> torch.Tensor:
+    return torch.randn(32, 4, 16, 16, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+@pytest.mark.parametrize("slope", [0.1, 0.2, 0.5])
+def test_leaky_relu_layer_factor_matches_the_formula(slope):
+    measured = R.inverse_snr_factor(R.InvertibleLeakyReLU(slope), z_input(), noise=1e-6)
+    assert measured == pytest.approx(snr.leaky_relu_alpha(slope), rel=0.03)
+
+
+@pytest.mark.parametrize("rho", [0.25, 4.0])
+def test_batchnorm_layer_factor_matches_the_formula(rho):
+    bn = R.InvertibleBatchNorm2d(4, gamma_floor=0.0).double()
+    gamma = torch.tensor([1.0, rho, 1.0, rho], dtype=torch.float64)
+    with torch.no_grad():
+        bn.weight.copy_(gamma)
+    measured = R.inverse_snr_factor(bn, z_input(), noise=1e-6)
+    assert measured == pytest.approx(snr.batchnorm_alpha_toy(rho), rel=0.03)
+    # the floor applies: with floor 0.5 the scales are [1.5, rho + 0.5] and the factor follows them
+    bn.gamma_floor = 0.5
+    measured = R.inverse_snr_factor(bn, z_input(), noise=1e-6)
+    assert measured == pytest.approx(snr.batchnorm_alpha(gamma.numpy(), floor=0.5), rel=0.03)
+
+
+def measure(arch: str, slope: float, depth: int):
+    options = dict(channels=8, batch=4, size=8, dtype="float32", seed=0, torch=torch, reversible=R)
+    records, predicted, first = _measure_network(arch, slope, depth, **options)
+    return records, predicted, first
+
+
+@pytest.mark.parametrize("slope", [0.2, 0.5])
+def test_layerwise_float32_snr_follows_the_chained_factors(slope):
+    """Tolerance: the measured loss below the top layer is within 15% (or 6 dB) of the predicted loss, at every
+    layer whose SNR is above 20 dB (below it, noise flips signs and the small-noise theory stops holding)."""
+    records, predicted, first = measure("layerwise", slope, 6)
+    top = max(r.snr_db for r in records if math.isfinite(r.snr_db))
+    checked = 0
+    for r in records:
+        if r.sequence != "body" or not 20 < r.snr_db < math.inf:
+            continue
+        loss, predicted_loss = top - r.snr_db, top - predicted[id(r)]
+        assert abs(loss - predicted_loss) <= max(6.0, 0.15 * predicted_loss), (r.name, r.snr_db, predicted[id(r)])
+        checked += 1
+    assert checked >= 15
+    # and it falls with depth: tens of dB over 6 units, at a rate set by the factors
+    assert predicted[id(first)] < top - 30 and first.snr_db < top - 30
+
+
+def test_layerwise_snr_falls_with_depth_while_the_hybrids_does_not_compound():
+    layerwise = {d: measure("layerwise", 0.1, d)[2].snr_db for d in (2, 4, 8)}
+    hybrid = {d: measure("hybrid", 0.1, d)[2].snr_db for d in (2, 4, 8, 16)}
+    hybrid_slope = measure("hybrid", 0.5, 8)[2].snr_db
+    # layer-wise: linear in depth in dB (about 19 dB per unit at n = 0.1): garbage by depth 8
+    assert layerwise[2] - layerwise[4] > 25
+    assert layerwise[4] - layerwise[8] > 1.5 * (layerwise[2] - layerwise[4])
+    assert layerwise[8] < 20
+    # hybrid: each block holds 4 layer-wise units, yet its block inputs lose at most ~16 dB per doubling of depth
+    # (the cancellation in x1 = y1 - f(x2) as the residual stream grows, not a product of leaky-ReLU factors),
+    # so it stays far above the layer-wise net and does not depend on the slope
+    for shallow, deep in ((2, 4), (4, 8), (8, 16)):
+        assert hybrid[shallow] - hybrid[deep] < 18, hybrid
+    assert hybrid[16] > 60
+    assert abs(hybrid[8] - hybrid_slope) < 6
