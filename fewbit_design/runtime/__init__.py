@@ -21,6 +21,11 @@ def _register(name: str, module: str, attribute: str | None = None) -> None:
         __all__.append(name)
 
 
+_register("FewBit", "nn", "FewBit")
+_register("load_table", "tables", "load_table")
+_register("convert", "convert", "convert")
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY_ATTRIBUTES:
         module, attribute = _LAZY_ATTRIBUTES[name]

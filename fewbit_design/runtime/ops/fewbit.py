@@ -211,8 +211,8 @@ _LUT_CACHE_SIZE = 256
 def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray | None:
     """The float32 lookup table of ``quantize_pack_lut32``, or None when some bucket holds two code changes.
 
-    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B (as int32) means
-    code = A if (pattern & 0xFFFF) >= t else B. Built by evaluating the exact float32 comparisons (numpy
+    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B (uint32) means
+    code = A if t > 0 and (pattern & 0xFFFF) >= t else B. Built by evaluating the exact float32 comparisons (numpy
     searchsorted, NaN last) at every pattern of the buckets where the interval changes.
     """
     boundaries32 = np.ascontiguousarray(boundaries32, dtype=np.float32)
@@ -239,7 +239,7 @@ def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndar
         below[bucket] = bucket_codes[0]
         above[bucket] = bucket_codes[-1]
     entries = (threshold << np.uint64(16)) | (above << np.uint64(8)) | below
-    return entries.astype(np.uint32).view(np.int32)
+    return entries.astype(np.uint32)
 
 
 def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
@@ -298,7 +298,7 @@ def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: to
         return out
     lut32 = _cached_lut(x.dtype, boundaries, interval_codes) if x.dtype == torch.float32 else None
     if lut32 is not None:
-        kernels.quantize_pack_lut32(flat.numpy().view(np.int32), lut32, bits, out_np)
+        kernels.quantize_pack_lut32(flat.numpy().view(np.uint32), lut32, bits, out_np)
     else:
         codes_np = interval_codes.detach().cpu().numpy()
         kernels.quantize_pack_compare(flat.numpy(), boundaries.detach().cpu().numpy(), codes_np, bits, out_np)

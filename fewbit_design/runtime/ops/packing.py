@@ -4,7 +4,9 @@ Layout: elements are taken in flattened (contiguous) order in groups of 8; a gro
 element k of a group occupies bits [k*bits, (k+1)*bits) of the little-endian ``bits``-byte word; the last
 group is zero-padded. n elements therefore take exactly ceil(n / 8) * bits bytes.
 
-The functions here are the pure-torch reference (any device). Kernels elsewhere must match them bitwise.
+``pack_reference`` / ``unpack_reference`` are the pure-torch reference (any device). ``pack`` / ``unpack`` have the
+same signatures and results, and run the numba CPU kernels on CPU tensors (the reference elsewhere, or when numba
+is not installed).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import torch
 
 from ...errors import FewBitError
 
-__all__ = ["packed_nbytes", "pack_reference", "unpack_reference"]
+__all__ = ["packed_nbytes", "pack_reference", "unpack_reference", "pack", "unpack"]
 
 
 def packed_nbytes(numel: int, bits: int) -> int:
@@ -47,9 +49,55 @@ def unpack_reference(packed: torch.Tensor, bits: int, numel: int) -> torch.Tenso
     _check_bits(bits)
     groups = -(-int(numel) // 8)
     if packed.numel() != groups * bits:
-        raise FewBitError(f"packed codes must have ceil({numel}/8)*{bits} = {groups * bits} bytes, got {packed.numel()}")
+        raise FewBitError(
+            f"packed codes must have ceil({numel}/8)*{bits} = {groups * bits} bytes, got {packed.numel()}"
+        )
     byte_shifts = torch.arange(bits, device=packed.device, dtype=torch.int64) * 8
     words = (packed.view(groups, bits).to(torch.int64) << byte_shifts).sum(dim=1)
     shifts = torch.arange(8, device=packed.device, dtype=torch.int64) * bits
     codes = (words.unsqueeze(1) >> shifts) & ((1 << bits) - 1)
     return codes.reshape(-1)[:numel]
+
+
+def _numba_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """:func:`pack_reference` with a numba kernel on CPU: integer codes (any shape) -> uint8 flat.
+
+    >>> pack(torch.tensor([1, 2, 3]), 2).tolist()   # 1 | 2 << 2 | 3 << 4
+    [57, 0]
+    """
+    _check_bits(bits)
+    if codes.device.type != "cpu" or not _numba_available():
+        return pack_reference(codes, bits)
+    if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
+        raise FewBitError(f"codes must be an integer tensor, got {codes.dtype}")
+    from ._numba_kernels import pack_codes
+
+    flat = codes.detach().reshape(-1).contiguous()
+    out = torch.empty(packed_nbytes(flat.numel(), bits), dtype=torch.uint8)
+    if flat.numel():
+        pack_codes(flat.numpy(), bits, out.numpy())
+    return out
+
+
+def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
+    """:func:`unpack_reference` with a numba kernel on CPU: the first ``numel`` codes as int64 (flat)."""
+    _check_bits(bits)
+    if packed.device.type != "cpu" or not _numba_available():
+        return unpack_reference(packed, bits, numel)
+    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel, bits):
+        raise FewBitError(
+            f"packed codes must be ceil({numel}/8)*{bits} = {packed_nbytes(numel, bits)} uint8 bytes, "
+            f"got {packed.numel()} {packed.dtype}"
+        )
+    from ._numba_kernels import unpack_codes
+
+    out = torch.empty(int(numel), dtype=torch.int64)
+    if numel:
+        unpack_codes(packed.detach().reshape(-1).contiguous().numpy(), bits, out.numpy())
+    return out
