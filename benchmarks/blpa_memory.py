@@ -1,0 +1,126 @@
+"""BLPA memory and time per sample for the paper's pre-activation ResNets on CIFAR-size inputs (Table 2 shape).
+
+For each depth and mode (exact fused baseline, 8-bit, 4-bit) it measures the bytes saved for backward per sample
+with ``fewbit_design.runtime.memory.saved_bytes`` (32x32 inputs, a small batch, training mode), the implied
+maximum batch size under a memory budget (activation bytes only: budget / saved bytes per sample), and the
+forward+backward wall time per sample (median of repeats) as a ratio against exact measured in the same run.
+Prints a table and writes a CSV.
+
+    python benchmarks/blpa_memory.py                     # depths 164, 254, 488, 1001
+    python benchmarks/blpa_memory.py --quick             # depth 164 only, one timed repeat
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fewbit_design.runtime import blpa, memory
+
+MODES = {"exact": None, "8-bit": 8, "4-bit": 4}
+
+
+def measure(depth: int, bits, *, batch: int, repeats: int, width: int = 1, seed: int = 0) -> dict:
+    """Saved bytes per sample and median forward+backward seconds per sample for one configuration."""
+    torch.manual_seed(seed)
+    model = blpa.preact_resnet(depth, bits=bits, width=width)
+    model.train()
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(batch, 3, 32, 32, generator=generator)
+    target = torch.randint(0, 10, (batch,), generator=generator)
+    with memory.saved_bytes(model) as saved:
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+    loss.backward()  # also the warm-up for the timing below
+    times = []
+    for _ in range(repeats):
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        loss = torch.nn.functional.cross_entropy(model(x), target)
+        loss.backward()
+        times.append(time.perf_counter() - start)
+    parameters = sum(p.numel() for p in model.parameters())
+    return {
+        "saved_bytes_per_sample": saved.total / batch,
+        "seconds_per_sample": statistics.median(times) / batch if times else float("nan"),
+        "parameters": parameters,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--depths", default="164,254,488,1001", help="comma-separated depths 9n + 2")
+    parser.add_argument("--width", type=int, default=1, help="channel multiplier (the paper's '1001 (4x)' is 4)")
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per configuration")
+    parser.add_argument("--budget-gib", type=float, default=11.0, help="memory budget (default 11: a 1080Ti)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
+    parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "blpa_memory.csv")
+    parser.add_argument("--quick", action="store_true", help="depth 164 only, one timed repeat")
+    args = parser.parse_args(argv)
+    depths = [164] if args.quick else [int(d) for d in args.depths.split(",") if d.strip()]
+    repeats = 1 if args.quick else args.repeats
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    for depth in depths:  # validate before any long work
+        if depth < 11 or (depth - 2) % 9:
+            parser.error(f"depth must be 9n + 2, got {depth}")
+    budget = args.budget_gib * 2**30
+
+    rows = []
+    for depth in depths:
+        exact = None
+        for mode, bits in MODES.items():
+            result = measure(depth, bits, batch=args.batch, repeats=repeats, width=args.width)
+            if mode == "exact":
+                exact = result
+            row = {
+                "depth": depth,
+                "width": args.width,
+                "mode": mode,
+                "saved_mib_per_sample": result["saved_bytes_per_sample"] / 2**20,
+                "memory_ratio_vs_exact": result["saved_bytes_per_sample"] / exact["saved_bytes_per_sample"],
+                "max_batch": int(budget // result["saved_bytes_per_sample"]),
+                "ms_per_sample": 1000 * result["seconds_per_sample"],
+                "time_ratio_vs_exact": result["seconds_per_sample"] / exact["seconds_per_sample"],
+                "batch": args.batch,
+                "threads": torch.get_num_threads(),
+            }
+            rows.append(row)
+            print(
+                f"depth {depth:>4} {mode:<5}: {row['saved_mib_per_sample']:8.3f} MiB/sample saved "
+                f"({row['memory_ratio_vs_exact']:.4f} of exact), max batch {row['max_batch']:>6} in "
+                f"{args.budget_gib:g} GiB, {row['ms_per_sample']:8.1f} ms/sample ({row['time_ratio_vs_exact']:.2f}x)",
+                flush=True,
+            )
+    with args.csv.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+
+    print(f"\nTable 2 shape (activation bytes saved for backward; budget {args.budget_gib:g} GiB; CPU times):")
+    header = "| | " + " | ".join(str(d) for d in depths) + " |"
+    print(header)
+    print("|---" * (len(depths) + 1) + "|")
+    for label, key, fmt in (
+        ("saved MiB/sample", "saved_mib_per_sample", "{:.2f}"),
+        ("ratio vs exact", "memory_ratio_vs_exact", "{:.3f}"),
+        ("max batch", "max_batch", "{}"),
+        ("ms/sample", "ms_per_sample", "{:.1f}"),
+        ("time vs exact", "time_ratio_vs_exact", "{:.2f}x"),
+    ):
+        for mode in MODES:
+            cells = [fmt.format(r[key]) for d in depths for r in rows if r["depth"] == d and r["mode"] == mode]
+            print(f"| {label}, {mode} | " + " | ".join(cells) + " |")
+    print(f"\nwrote {args.csv}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
