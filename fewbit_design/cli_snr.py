@@ -302,56 +302,85 @@ def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed
                     bar.update(1)
 
     plt = _pyplot()
-    figure, axes = plt.subplots(2, 2, figsize=(12, 9))
-    colors = {n: f"C{i}" for i, n in enumerate(slopes)}
-    styles = {"layerwise": "-", "hybrid": ":"}
+    from matplotlib.gridspec import GridSpec
+    from matplotlib.ticker import NullFormatter
 
-    ax = axes[0, 0]
-    grid = np.geomspace(0.05, 1.0, 200)
-    ax.plot(grid, theory.alpha_db(theory.leaky_relu_alpha(grid)), "k-", label="theory (1+n²)²/(4n²)")
+    figure = plt.figure(figsize=(16, 9.5))
+    grid = GridSpec(2, 6, figure=figure)
+    colors = {n: f"C{i}" for i, n in enumerate(slopes)}
+    markers = {"layerwise": "o-", "hybrid": "s:"}
+    floor_db = -20.0  # below 0 dB the reconstruction is noise; far below, numbers mean nothing
+
+    ax = figure.add_subplot(grid[0, 0:2])
+    xs = np.geomspace(0.05, 1.0, 200)
+    ax.plot(xs, theory.alpha_db(theory.leaky_relu_alpha(xs)), "k-", label="theory (1+n²)²/(4n²)")
     ax.plot(slopes, [theory.alpha_db(slope_measured[n]) for n in slopes], "ro", label="measured (noise injection)")
     ax.set_xscale("log")
     ax.set_xlabel("leaky ReLU negative slope n")
-    ax.set_ylabel("SNR reduction 10 log10(alpha) (dB)")
-    ax.set_title("(a) Leaky ReLU inverse")
+    ax.set_ylabel("SNR lost by the inverse, 10 log10 α (dB)")
+    ax.set_title("(a) Leaky ReLU inverse (fig. 6)")
     ax.legend()
 
-    ax = axes[0, 1]
-    grid = np.geomspace(rhos[0], rhos[-1], 200)
-    ax.plot(grid, theory.alpha_db(theory.batchnorm_alpha_toy(grid)), "k-", label="theory (1+ρ²)(1+ρ⁻²)/4")
+    ax = figure.add_subplot(grid[0, 2:4])
+    xs = np.geomspace(rhos[0], rhos[-1], 200)
+    ax.plot(xs, theory.alpha_db(theory.batchnorm_alpha_toy(xs)), "k-", label="theory (1+ρ²)(1+ρ⁻²)/4")
     ax.plot(rhos, [theory.alpha_db(rho_measured[r]) for r in rhos], "ro", label="measured (noise injection)")
     ax.set_xscale("log")
+    ax.set_xticks(rhos)
+    ax.set_xticklabels([f"{r:g}" for r in rhos])
+    ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("scale imbalance ρ (γ = [1, ρ])")
-    ax.set_ylabel("SNR reduction 10 log10(alpha) (dB)")
-    ax.set_title("(b) Batch-norm inverse, toy layer")
+    ax.set_ylabel("SNR lost by the inverse, 10 log10 α (dB)")
+    ax.set_title("(b) Batch-norm inverse, toy layer (fig. 5)")
     ax.legend()
 
-    ax = axes[1, 0]
-    for (arch, n), profile in profiles.items():
-        index = np.arange(len(profile))
-        ax.plot(index, [r.snr_db for r, _ in profile], styles[arch], color=colors[n], label=f"{arch}, n={n:g}")
-        known = [(i, p) for i, (_, p) in enumerate(profile) if p is not None]
-        if known and arch == "layerwise":
-            ax.plot(*zip(*known, strict=True), "--", color=colors[n], alpha=0.6)
-    ax.set_xlabel("layer (forward order)")
-    ax.set_ylabel("SNR of the reconstructed input (dB)")
-    ax.set_title(f"(c) Per-layer reconstruction, depth {max(depths)} ({dtype}); dashed: theory")
-    ax.legend(fontsize="small")
-
-    ax = axes[1, 1]
+    ax = figure.add_subplot(grid[0, 4:6])
     for arch in archs:
         for n in slopes:
-            measured = [bottom[arch, n, d][0] for d in depths]
-            predicted = [bottom[arch, n, d][1] for d in depths]
-            ax.plot(depths, measured, "o" + styles[arch], color=colors[n], label=f"{arch}, n={n:g} measured")
-            ax.plot(depths, predicted, "--", color=colors[n], alpha=0.5)
-    ax.set_xlabel("depth (units for layerwise, blocks for hybrid)")
+            measured = [max(bottom[arch, n, d][0], floor_db) for d in depths]
+            predicted = [max(bottom[arch, n, d][1], floor_db) for d in depths]
+            ax.plot(depths, measured, markers[arch], color=colors[n], label=f"{arch}, n={n:g}")
+            ax.plot(depths, predicted, "--", color=colors[n], alpha=0.45, linewidth=1)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(depths)
+    ax.set_xticklabels([str(d) for d in depths])
+    ax.xaxis.set_minor_formatter(NullFormatter())
+    ax.set_xlabel("depth (units for layerwise, blocks of 4 units for hybrid)")
     ax.set_ylabel("SNR of the reconstructed network input (dB)")
-    ax.set_title("(d) Reconstruction of the input vs depth; dashed: theory")
+    ax.plot([], [], "k--", alpha=0.45, linewidth=1, label="eq. 19 (theory)")
+    ax.set_title("(d) Input reconstruction vs depth (fig. 11)")
     ax.legend(fontsize="small")
-    for ax in axes[1]:
-        ax.axhline(0, color="grey", linewidth=0.5)
+
+    for column, arch in enumerate(archs):
+        span = slice(0, 3) if len(archs) > 1 and column == 0 else slice(3, 6) if len(archs) > 1 else slice(0, 6)
+        ax = figure.add_subplot(grid[1, span])
+        for n in slopes:
+            profile = profiles.get((arch, n), [])
+            ax.plot(
+                range(len(profile)),
+                [max(r.snr_db, floor_db) for r, _ in profile],
+                "-",
+                color=colors[n],
+                linewidth=1,
+                label=f"n={n:g} measured",
+            )
+            known = [(i, max(p, floor_db)) for i, (_, p) in enumerate(profile) if p is not None]
+            if known:
+                ax.plot(*zip(*known, strict=True), "--", color=colors[n], alpha=0.5, label=f"n={n:g} eq. 19")
+        ax.set_xlabel(
+            "layer, forward order" + (" (couplings, then the layers of their f and g)" if arch == "hybrid" else "")
+        )
+        ax.set_ylabel("SNR of the reconstructed input (dB)")
+        ax.set_title(f"(c) {arch}, depth {max(depths)}: per-layer reconstruction (fig. 10)")
+        ax.legend(fontsize="small", ncol=2)
+    for ax in figure.axes:
         ax.grid(True, alpha=0.3)
-    figure.suptitle("Reversible designs: SNR of activations reconstructed by inverses (theory vs measurement)")
+    for ax in figure.axes[2:]:
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set_ylim(bottom=floor_db - 5)
+    figure.suptitle(
+        f"Reversible designs ({dtype}): SNR of activations reconstructed by inverses, theory vs measurement "
+        f"(values below {floor_db:g} dB drawn at {floor_db:g})"
+    )
     figure.tight_layout()
     return rows, figure
