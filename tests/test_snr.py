@@ -9,6 +9,7 @@ own rounding to float32/float16.
 from __future__ import annotations
 
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -182,3 +183,15 @@ def test_bad_inputs_raise_one_clear_error():
         snr.effective_gamma([1.0], -0.1)
     with pytest.raises(FewBitError, match="dtype must be"):
         snr.rounding_snr_db("int8")
+
+
+def test_imports_stay_lean():
+    import subprocess
+
+    code = (
+        "import sys, fewbit_design.snr, fewbit_design.cli_snr\n"
+        "assert 'torch' not in sys.modules and 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n"
+        "import fewbit_design.runtime.reversible\n"
+        "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules and 'numba' not in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
