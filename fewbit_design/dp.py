@@ -37,7 +37,9 @@ __all__ = [
 # Intervals DP: candidates are bounded in blocks of this many j; rows i are split into this many parallel chunks.
 _BLOCK = 32
 _CHUNKS = 64
-# Above this many atoms the level-sets layer solves its top recursion levels serially, then the rest in parallel.
+# Work n * K from which the layers run multi-threaded by default.
+_PARALLEL_WORK = 1 << 20
+# The parallel level-sets layer solves this many top levels of its recursion serially, then the segments in parallel.
 _SEGMENTS_LEVELS = 6
 
 
@@ -107,23 +109,41 @@ def _intervals_row(W, FW, F2, previous, block_min, block, k, i, guess):  # pragm
     return best, best_j
 
 
-@numba.njit(cache=True, parallel=True)
-def _intervals_layer(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover - compiled
-    block = _BLOCK
-    blocks = (previous.size + block - 1) // block
-    block_min = np.empty(blocks)
+@numba.njit(cache=True)
+def _block_minima(values, block):  # pragma: no cover - compiled
+    blocks = (values.size + block - 1) // block
+    out = np.empty(blocks)
     for b in range(blocks):
-        block_min[b] = previous[b * block : min((b + 1) * block, previous.size)].min()
+        out[b] = values[b * block : min((b + 1) * block, values.size)].min()
+    return out
+
+
+@numba.njit(cache=True)
+def _intervals_rows(W, FW, F2, previous, block_min, current, argmin, k, i_start, i_stop):  # pragma: no cover
+    # Rows i in order: the argmin of i - 1 is the first candidate for i.
+    guess = -1
+    for i in range(i_start, i_stop):
+        best, best_j = _intervals_row(W, FW, F2, previous, block_min, _BLOCK, k, i, guess)
+        current[i] = best
+        argmin[i] = best_j
+        guess = best_j
+
+
+@numba.njit(cache=True, parallel=True)
+def _intervals_layer_parallel(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover
+    block_min = _block_minima(previous, _BLOCK)
     count = last_i - first_i + 1
     chunks = min(count, _CHUNKS)
     for c in numba.prange(chunks):
-        # Within a chunk i runs in order and the argmin of i - 1 is the first candidate for i.
-        guess = -1
-        for i in range(first_i + (c * count) // chunks, first_i + ((c + 1) * count) // chunks):
-            best, best_j = _intervals_row(W, FW, F2, previous, block_min, block, k, i, guess)
-            current[i] = best
-            argmin[i] = best_j
-            guess = best_j
+        i_start = first_i + (c * count) // chunks
+        i_stop = first_i + ((c + 1) * count) // chunks
+        _intervals_rows(W, FW, F2, previous, block_min, current, argmin, k, i_start, i_stop)
+
+
+@numba.njit(cache=True)
+def _intervals_layer_serial(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover
+    block_min = _block_minima(previous, _BLOCK)
+    _intervals_rows(W, FW, F2, previous, block_min, current, argmin, k, first_i, last_i + 1)
 
 
 @numba.njit(cache=True)
@@ -182,7 +202,18 @@ def _layers(layer, prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
     return float(previous[n]), cuts
 
 
-def intervals_dp(prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
+def _parallel(parallel: bool | None, n: int, K: int) -> bool:
+    """Whether to use the multi-threaded layers: by default when numba has several threads and the work is large.
+
+    Small problems run serially: a parallel region per layer costs more than it saves there, and much more when
+    the cores are shared with other processes.
+    """
+    if parallel is not None:
+        return bool(parallel)
+    return numba.get_num_threads() > 1 and n * K >= _PARALLEL_WORK
+
+
+def intervals_dp(prefix: np.ndarray, K: int, *, parallel: bool | None = None) -> tuple[float, np.ndarray]:
     """Exact optimal split of n grid cells into K intervals (eq. 7), with pruning, in parallel over i.
 
     ``prefix`` holds rows W, FW, F2 of prefix integrals (length n + 1). Returns the optimal cost and the K - 1 cut
@@ -192,7 +223,9 @@ def intervals_dp(prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
     >>> intervals_dp(prefix, 2)
     (0.0, array([2]))
     """
-    return _layers(_intervals_layer, prefix, K)
+    n = np.shape(prefix)[1] - 1
+    layer = _intervals_layer_parallel if _parallel(parallel, n, K) else _intervals_layer_serial
+    return _layers(layer, prefix, K)
 
 
 def intervals_dp_reference(prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
@@ -243,8 +276,13 @@ def _solve_segment(W, FW, F2, previous, current, argmin, lo, hi, opt_lo, opt_hi)
         top += 2
 
 
+@numba.njit(cache=True)
+def _levelsets_layer_serial(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover
+    _solve_segment(W, FW, F2, previous, current, argmin, first_i, last_i, k - 1, last_i - 1)
+
+
 @numba.njit(cache=True, parallel=True)
-def _levelsets_layer(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover - compiled
+def _levelsets_layer_parallel(W, FW, F2, previous, current, argmin, k, first_i, last_i):  # pragma: no cover
     # Top levels of the recursion serially (few, wide segments), then the segments in parallel.
     capacity = 1 << (_SEGMENTS_LEVELS + 1)
     segments = np.empty((capacity, 4), dtype=np.int64)
@@ -273,7 +311,7 @@ def _levelsets_layer(W, FW, F2, previous, current, argmin, k, first_i, last_i): 
         )
 
 
-def levelsets_dp(prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
+def levelsets_dp(prefix: np.ndarray, K: int, *, parallel: bool | None = None) -> tuple[float, np.ndarray]:
     """Exact weighted 1-D k-means of atoms sorted by value: optimal split into K contiguous clusters.
 
     ``prefix`` holds rows W, FW, F2 of prefix sums over atoms sorted by their mean value FW/W, each atom with
@@ -286,7 +324,9 @@ def levelsets_dp(prefix: np.ndarray, K: int) -> tuple[float, np.ndarray]:
     >>> round(cost, 6), cuts.tolist()
     (0.025, [2])
     """
-    return _layers(_levelsets_layer, prefix, K)
+    n = np.shape(prefix)[1] - 1
+    layer = _levelsets_layer_parallel if _parallel(parallel, n, K) else _levelsets_layer_serial
+    return _layers(layer, prefix, K)
 
 
 @numba.njit(cache=True)
@@ -349,7 +389,12 @@ def _group_runs(sorted_values, tolerance):  # pragma: no cover - compiled
 
 
 def kmeans_1d(
-    values: np.ndarray, weights: np.ndarray | None = None, K: int = 2, *, reference: bool = False
+    values: np.ndarray,
+    weights: np.ndarray | None = None,
+    K: int = 2,
+    *,
+    reference: bool = False,
+    parallel: bool | None = None,
 ) -> tuple[float, np.ndarray, np.ndarray]:
     """Exact weighted 1-D k-means: the K levels minimising sum w_i (v_i - level(v_i))**2.
 
@@ -367,8 +412,7 @@ def kmeans_1d(
     groups = prefix.shape[1] - 1
     kept = np.sort(values[weights > 0], kind="stable")
     K = min(int(K), groups)
-    solver = levelsets_dp_reference if reference else levelsets_dp
-    cost, cuts = solver(prefix, K)
+    cost, cuts = levelsets_dp_reference(prefix, K) if reference else levelsets_dp(prefix, K, parallel=parallel)
     edges = np.concatenate([[0], cuts, [groups]])
     mass = prefix[0, edges[1:]] - prefix[0, edges[:-1]]
     levels = (prefix[1, edges[1:]] - prefix[1, edges[:-1]]) / mass

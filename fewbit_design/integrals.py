@@ -96,6 +96,16 @@ class Problem:
             fw[where] = d
         return w, fw
 
+    def error_density(self, x: np.ndarray, level: np.ndarray) -> np.ndarray:
+        """(f'(x) - level)**2 w(x) (folded over both sides when symmetric), without cancellation."""
+        x = np.asarray(x, dtype=np.float64)
+        w, d = self._side(x)
+        out = (d - level) ** 2 * w
+        if self.symmetric:
+            w, d = self._side(-x)
+            out += (d - level) ** 2 * w
+        return out
+
     def densities(self, x: np.ndarray) -> np.ndarray:
         """The three densities at ``x``: an array of shape ``(3, *x.shape)`` holding w, f' w and f'**2 w."""
         x = np.asarray(x, dtype=np.float64)
