@@ -168,7 +168,7 @@ def design(
         boundaries, codes, levels, info = _design_levelsets(full, w, major, bits, points, refine, say)
 
     say("final error by adaptive quadrature")
-    error = table_error(full, boundaries, codes, levels)
+    error = info["error"] if "error" in info else table_error(full, boundaries, codes, levels)
     signal = signal_power(full)
     snr_db = 10.0 * math.log10(signal / error) if error > 0 and signal > 0 else None
     record = {"grid": int(points), "refined": bool(info["refined"]), "version": __version__}
@@ -265,6 +265,34 @@ def _cells_table(
     return grid[1:-1][keep[1:]], codes[keep]
 
 
+def _exact_constants(
+    full: Problem,
+    grid: np.ndarray,
+    mass: np.ndarray,
+    values: np.ndarray,
+    group: np.ndarray,
+    sums: np.ndarray,
+    cluster_of_group: np.ndarray,
+    levels: np.ndarray,
+) -> np.ndarray:
+    """A cluster on which f' is constant (one merged value, no spread) gets f' itself as its level, exactly.
+
+    Cell means of a constant like hardsigmoid' = 1/6 differ from it in the last bits; the exact value makes such
+    tables exact (error 0).
+    """
+    counts = np.bincount(cluster_of_group, minlength=levels.size)
+    spread = sums[2] - sums[1] ** 2 / sums[0]
+    kept = np.flatnonzero(mass > 0)
+    order = kept[np.argsort(values[kept], kind="stable")]
+    levels = levels.copy()
+    for cluster in np.flatnonzero(counts == 1):
+        g = int(np.flatnonzero(cluster_of_group == cluster)[0])
+        if spread[g] <= 1e-24 * sums[0][g] * (1.0 + levels[cluster] ** 2):
+            cell = order[np.searchsorted(group, g)]
+            levels[cluster] = float(full.df(np.array([(grid[cell] + grid[cell + 1]) / 2.0]))[0])
+    return levels
+
+
 def _design_levelsets(
     full: Problem, w: Weight, major: np.ndarray, bits: int, points: int, refine: bool, say: Progress
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, dict[str, Any]]:
@@ -276,15 +304,17 @@ def _design_levelsets(
     cells = cell_integrals(full, grid)
     mass = cells[0]
     values = np.where(mass > 0, cells[1] / np.where(mass > 0, mass, 1.0), 0.0)
-    prefix, group = merge_sorted_atoms(values, mass, cells[2])
+    prefix, group, sums = merge_sorted_atoms(values, mass, cells[2])
     groups = prefix.shape[1] - 1
     if groups == 0:
         raise FewBitError(f"weight {w.kind!r} has no mass inside the design range [{w.low:g}, {w.high:g}]")
     used = min(K, groups)
     say(f"level-sets DP on {groups} distinct cells")
     grid_loss, cuts = levelsets_dp(prefix, used)
-    edges = np.concatenate([[0], cuts, [groups]])
-    levels = (prefix[1, edges[1:]] - prefix[1, edges[:-1]]) / (prefix[0, edges[1:]] - prefix[0, edges[:-1]])
+    # Cluster means from direct sums (exact when a cluster holds one constant value, e.g. relu6' = 1).
+    cluster_of_group = np.searchsorted(cuts, np.arange(groups), side="right")
+    levels = np.bincount(cluster_of_group, sums[1], used) / np.bincount(cluster_of_group, sums[0], used)
+    levels = _exact_constants(full, grid, mass, values, group, sums, cluster_of_group, levels)
     # cluster of every cell: sorted kept cells -> group -> cluster
     kept = np.flatnonzero(mass > 0)
     order = kept[np.argsort(values[kept], kind="stable")]
@@ -296,23 +326,30 @@ def _design_levelsets(
     boundaries, codes = _cells_table(grid, cells, cluster_of_cell, full, levels)
     loss, _ = regions_loss(antiderivative, boundaries, codes, levels)
     best = (loss, boundaries, codes, levels)
+    intervals_table = None
     if refine and used > 1:
-        scan_grid = _panel_grid_scan(full, major, density)
-        say("Lloyd iterations from the DP levels")
+        scan_grid = make_grid(full.low, full.high, SCAN_POINTS + 1, breakpoints=_fold(major, full), density=density)
+        say("Lloyd/Newton iterations from the DP levels")
         candidates = [("dp", refine_levelsets(antiderivative, scan_grid, levels))]
-        say("Lloyd iterations from the intervals-mode levels")
+        say("Lloyd/Newton iterations from the intervals-mode levels")
         s, interval_levels, _, _ = _intervals_solution(full, major, w, K, default_grid(bits, "intervals"), True, say)
         candidates.append(("intervals", refine_levelsets(antiderivative, scan_grid, np.unique(interval_levels))))
         for start, result in candidates:
             if result.loss < best[0]:
                 best = (result.loss, result.boundaries, result.codes, result.levels)
                 info.update(refined=True, iterations=result.iterations, start=start)
+        # The intervals-mode table itself (levels sorted) is a valid table: level sets never do worse than it.
+        order = np.argsort(interval_levels, kind="stable")
+        rank = np.empty(K, dtype=np.int64)
+        rank[order] = np.arange(K)
+        intervals_table = (s, rank, interval_levels[order])
     loss, boundaries, codes, levels = best
+    info["error"] = table_error(full, boundaries, codes, levels)
+    if intervals_table is not None:
+        error = table_error(full, *intervals_table)
+        if error < info["error"]:
+            boundaries, codes, levels = intervals_table
+            info.update(error=error, start="intervals-table")
     # Codes are ranks of ascending levels; unused codes repeat the last level.
     levels = np.concatenate([levels, np.full(K - levels.size, levels[-1])])
     return boundaries, codes, levels, info
-
-
-def _panel_grid_scan(full: Problem, major: np.ndarray, density: Callable | None) -> np.ndarray:
-    grid = make_grid(full.low, full.high, SCAN_POINTS + 1, breakpoints=_fold(major, full), density=density)
-    return grid

@@ -38,7 +38,7 @@ __all__ = [
 _BLOCK = 32
 _CHUNKS = 64
 # Work n * K from which the layers run multi-threaded by default.
-_PARALLEL_WORK = 1 << 20
+_PARALLEL_WORK = 1 << 24
 # The parallel level-sets layer solves this many top levels of its recursion serially, then the segments in parallel.
 _SEGMENTS_LEVELS = 6
 
@@ -348,13 +348,14 @@ def levelsets_dp_reference(prefix: np.ndarray, K: int) -> tuple[float, np.ndarra
 
 def merge_sorted_atoms(
     values: np.ndarray, masses: np.ndarray, seconds: np.ndarray | None = None, *, tolerance: float = 1e-12
-) -> tuple[np.ndarray, np.ndarray]:
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Sort atoms by value, drop massless ones and merge (nearly) identical values.
 
     ``values`` are the atoms' mean values, ``masses`` their masses (> 0 to count) and ``seconds`` their second moments
     (default mass * value**2, i.e. point masses). Values within ``tolerance * (1 + |v|)`` of the first value of a run
-    are merged. Returns ``(prefix, order_groups)``: prefix sums (rows W, FW, F2, length groups + 1) and, for each
-    sorted atom, its group index, in the order ``np.argsort(values, kind="stable")`` of the kept atoms.
+    are merged. Returns ``(prefix, group, sums)``: prefix sums over the merged atoms (rows W, FW, F2, length
+    groups + 1); for each kept atom in the order ``np.argsort(values, kind="stable")``, its group index; and the
+    merged atoms' own W, FW, F2 (3, groups).
     """
     values = np.asarray(values, dtype=np.float64).ravel()
     masses = np.asarray(masses, dtype=np.float64).ravel()
@@ -371,7 +372,7 @@ def merge_sorted_atoms(
     np.add.at(sums[2], group, seconds)
     from .integrals import _compensated_cumsum
 
-    return _compensated_cumsum(sums), group
+    return _compensated_cumsum(sums), group, sums
 
 
 @numba.njit(cache=True)
@@ -408,7 +409,7 @@ def kmeans_1d(
     """
     values = np.asarray(values, dtype=np.float64).ravel()
     weights = np.ones_like(values) if weights is None else np.asarray(weights, dtype=np.float64).ravel()
-    prefix, group = merge_sorted_atoms(values, weights)
+    prefix, group, _ = merge_sorted_atoms(values, weights)
     groups = prefix.shape[1] - 1
     kept = np.sort(values[weights > 0], kind="stable")
     K = min(int(K), groups)

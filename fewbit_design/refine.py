@@ -175,9 +175,9 @@ def refine_intervals(
     problem = antiderivative.problem
     start = np.asarray(boundaries, dtype=np.float64)
     start_loss, start_levels, mass = _intervals_state(antiderivative, start)
-    if start.size == 0 or start_loss <= 0.0:
-        return IntervalsResult(start, start_levels, start_loss, start_loss, 0, False)
     free = ~np.isin(start, problem.breakpoints)
+    if not free.any() or start_loss <= 0.0:
+        return IntervalsResult(start, start_levels, start_loss, start_loss, 0, False)
     span = problem.high - problem.low
     s, loss, levels = start.copy(), start_loss, start_levels
     iterations = 0
@@ -275,8 +275,10 @@ def _nearest(values: np.ndarray, midpoints: np.ndarray) -> np.ndarray:
     return np.searchsorted(midpoints, values, side="left")
 
 
-def _roots(df, lo: np.ndarray, hi: np.ndarray, target: np.ndarray, iterations: int = 100) -> np.ndarray:
-    """Roots of df(x) = target in brackets [lo, hi] with a sign change, to a few ulps.
+def _roots(
+    df, lo: np.ndarray, hi: np.ndarray, target: np.ndarray, *, tolerance: float = 0.0, iterations: int = 100
+) -> np.ndarray:
+    """Roots of df(x) = target in brackets [lo, hi] with a sign change, to a few ulps (or ``tolerance``).
 
     Vectorised Illinois regula falsi (superlinear, the bracket always shrinks); after ``iterations // 2`` steps the
     brackets still open are bisected, which bounds the work whatever df does.
@@ -287,7 +289,7 @@ def _roots(df, lo: np.ndarray, hi: np.ndarray, target: np.ndarray, iterations: i
     last = np.zeros(lo.size, dtype=np.int8)  # which end moved last: -1 lo, +1 hi
     a = np.arange(lo.size)
     for step in range(iterations):
-        a = a[hi[a] - lo[a] > 4.0 * np.spacing(np.maximum(np.abs(lo[a]), np.abs(hi[a])))]
+        a = a[hi[a] - lo[a] > tolerance + 4.0 * np.spacing(np.maximum(np.abs(lo[a]), np.abs(hi[a])))]
         if a.size == 0:
             break
         l, h, gl, gh = lo[a], hi[a], g_lo[a], g_hi[a]
@@ -354,15 +356,20 @@ def _regions(scan: _Scan, levels: np.ndarray) -> _Regions:
     offset = np.arange(bracket.size) - np.repeat(np.cumsum(count) - count, count)
     which = np.repeat(first, count) + offset  # the midpoint crossed
     lo, hi = scan.grid[bracket], scan.grid[bracket + 1]
-    roots = _roots(problem.df, lo, hi, midpoints[which])
-    # A root at a jump of f' is the breakpoint itself.
-    smooth = np.ones(roots.size, dtype=bool)
+    target = midpoints[which]
+    roots = np.empty(lo.size)
+    smooth = np.ones(lo.size, dtype=bool)
     if problem.breakpoints.size:
-        k = np.clip(np.searchsorted(problem.breakpoints, roots), 1, problem.breakpoints.size) - 1
-        for candidate in (k, np.minimum(k + 1, problem.breakpoints.size - 1)):
-            near = np.abs(roots - problem.breakpoints[candidate]) <= scan.snap
-            roots = np.where(near, problem.breakpoints[candidate], roots)
-            smooth &= ~near
+        # A bracket ending on a breakpoint where f' jumps across the midpoint has its root there.
+        for end, other, inward in ((lo, hi, 1.0), (hi, lo, -1.0)):
+            on = np.flatnonzero(np.isin(end, problem.breakpoints))
+            if on.size:
+                near = end[on] + inward * scan.snap / 4.0
+                same = np.signbit(problem.df(near) - target[on]) == np.signbit(problem.df(other[on]) - target[on])
+                roots[on[same]] = end[on[same]]
+                smooth[on[same]] = False
+    todo = np.flatnonzero(smooth)
+    roots[todo] = _roots(problem.df, lo[todo], hi[todo], target[todo], tolerance=scan.snap * 1e-6)
     inside = (roots > problem.low) & (roots < problem.high)
     crossings, crossed = roots[inside & smooth], which[inside & smooth]
     roots = np.unique(roots[inside])
