@@ -369,7 +369,7 @@ def _regions(scan: _Scan, levels: np.ndarray) -> _Regions:
                 roots[on[same]] = end[on[same]]
                 smooth[on[same]] = False
     todo = np.flatnonzero(smooth)
-    roots[todo] = _roots(problem.df, lo[todo], hi[todo], target[todo], tolerance=scan.snap * 1e-6)
+    roots[todo] = _roots(problem.df, lo[todo], hi[todo], target[todo], tolerance=0.0)
     inside = (roots > problem.low) & (roots < problem.high)
     crossings, crossed = roots[inside & smooth], which[inside & smooth]
     roots = np.unique(roots[inside])

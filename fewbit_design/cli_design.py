@@ -1,0 +1,201 @@
+"""``fewbit-design ACTIVATION ...`` (the default command, ``design``) and ``fewbit-design list``."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import numpy as np
+
+from .cli import cli
+from .errors import FewBitError, check_bits, check_choice, check_range
+
+WEIGHT_KINDS = ("uniform", "normal", "laplace", "student-t", "empirical")
+MODES = ("levelsets", "intervals")
+
+
+def _progress(message: str) -> None:
+    """Stage messages on stderr, only for a person watching a terminal (stdout stays clean for --json)."""
+    if sys.stderr.isatty():
+        click.echo(f"  {message} ...", err=True)
+
+
+def _bound_activation(activation: str | None, module: str | None, params: tuple[str, ...]):
+    from . import activations
+
+    parsed = dict(activations.parse_param(text) for text in params)
+    if module and activation:
+        raise FewBitError(
+            f"give an activation name or --activation-module, not both (got {activation!r} and {module!r})"
+        )
+    if module:
+        return activations.from_module(module, parsed)
+    if not activation:
+        raise FewBitError("missing ACTIVATION (a name from 'fewbit-design list', or --activation-module pkg.mod:fn)")
+    return activations.bind(activation, parsed)
+
+
+def _format_params(params: dict[str, Any]) -> str:
+    return ", ".join(f"{key}={value!r}" for key, value in params.items())
+
+
+def _format_weight(weight: dict[str, Any]) -> str:
+    options = {k: v for k, v in weight.items() if k not in ("kind", "low", "high", "sha256")}
+    inner = ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in options.items())
+    kind = weight["kind"] + (f"({inner})" if inner else "")
+    return f"{kind} on [{weight['low']:g}, {weight['high']:g}]"
+
+
+def format_summary(table: Any, seconds: float) -> str:
+    """The human-readable summary of a table: header, one row per interval, error, SNR and time."""
+    params = _format_params(table.params)
+    name = f"{table.activation}({params})" if params else table.activation
+    symmetric = ", symmetric" if table.symmetric else ""
+    lines = [
+        f"activation: {name}",
+        f"bits: {table.bits} ({2**table.bits} codes), mode: {table.mode}{symmetric}, {len(table.codes)} intervals",
+        f"weight: {_format_weight(table.weight)}",
+        "",
+    ]
+    edges = np.concatenate([[-np.inf], table.boundaries, [np.inf]])
+    rows = [("interval", "code", "level")]
+    for k, code in enumerate(table.codes):
+        lo, hi = edges[k], edges[k + 1]
+        left = "(-inf" if lo == -np.inf else f"[{lo:.6g}"
+        right = "inf)" if hi == np.inf else f"{hi:.6g})"
+        rows.append((f"{left}, {right}", str(int(code)), f"{table.levels[code]:.8g}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        lines.append(f"  {row[0]:<{widths[0]}}  {row[1]:>{widths[1]}}  {row[2]:>{widths[2]}}")
+    lines.append("")
+    design = table.design
+    lines.append(f"error L = {table.error:.6g}")
+    if "grid_error" in design:
+        lines.append(f"grid error (DP on {design.get('grid')} grid points) = {design['grid_error']:.6g}")
+    lines.append("SNR = " + ("inf (exact)" if table.snr_db is None else f"{table.snr_db:.2f} dB"))
+    refined = "refined" if design.get("refined") else "not refined"
+    lines.append(f"time: {seconds:.2f} s ({refined}, {design.get('iterations', 0)} iterations)")
+    return "\n".join(lines)
+
+
+@cli.command("design", context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("activation", required=False)
+@click.option("--bits", type=int, default=3, show_default=True, help="Bits per element, 1 to 8 (2**bits codes).")
+@click.option(
+    "--weight",
+    default="uniform",
+    show_default=True,
+    metavar="|".join(WEIGHT_KINDS),
+    help="Weight w(x): the expected distribution of pre-activations.",
+)
+@click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0).")
+@click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1).")
+@click.option("--df", type=float, default=None, help="Degrees of freedom of student-t.")
+@click.option(
+    "--samples",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="A .npy file of recorded pre-activations (weight 'empirical').",
+)
+@click.option(
+    "--range",
+    "design_range",
+    type=(float, float),
+    default=(-10.0, 10.0),
+    show_default=True,
+    metavar="A B",
+    help="Design range [A, B]; w = 0 outside.",
+)
+@click.option(
+    "--mode",
+    default="levelsets",
+    show_default=True,
+    metavar="levelsets|intervals",
+    help="levelsets: optimal quantizer of f'(X); intervals: the paper's 2**bits intervals.",
+)
+@click.option("--symmetric", is_flag=True, help="Intervals mode: quantize |x| (for even derivatives).")
+@click.option("--grid", type=int, default=None, help="Grid points of the DP (default depends on the mode).")
+@click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Activation parameter (repeatable).")
+@click.option(
+    "--activation-module",
+    "module",
+    default=None,
+    metavar="PKG.MOD:FN",
+    help="Your own activation fn(x, **params); f' by torch autograd or finite differences.",
+)
+@click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the table JSON here.")
+@click.option("--force", is_flag=True, help="Overwrite --out / --plot if they exist.")
+@click.option("--json", "as_json", is_flag=True, help="Print the table JSON on stdout and nothing else.")
+@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of f', q and the weight.")
+@click.option("--no-refine", is_flag=True, help="Keep the grid DP's solution (no continuous refinement).")
+def design_command(activation, bits, weight, loc, scale, df, samples, design_range, mode, symmetric, grid, params,
+                   module, out, force, as_json, plot, no_refine) -> None:  # fmt: skip
+    """Design the optimal few-bit approximation of ACTIVATION's derivative.
+
+    \b
+    Examples:
+      fewbit-design gelu --bits 3 --weight normal
+      fewbit-design silu --bits 4 --mode intervals --json | jq .error
+      fewbit-design leaky_relu --param negative_slope=0.2 --bits 2 --out leaky.json
+    """
+    from .design import design
+    from .table import check_writable
+    from .weights import make_weight
+
+    # Every input is checked before any work.
+    bits = check_bits(bits, name="--bits")
+    mode = check_choice("--mode", mode, MODES)
+    if symmetric and mode != "intervals":
+        raise FewBitError("--symmetric applies only to --mode intervals (it quantizes |x|)")
+    low, high = check_range(*design_range, name="--range")
+    weight_kind = check_choice("--weight", weight, WEIGHT_KINDS)
+    bound = _bound_activation(activation, module, params)
+    w = make_weight(weight_kind, low=low, high=high, loc=loc, scale=scale, df=df, samples=samples)
+    if out is not None:
+        check_writable(out, force=force)
+    if plot is not None:
+        check_writable(plot, force=force)
+        if out is not None and Path(out).resolve() == Path(plot).resolve():
+            raise FewBitError(f"--out and --plot must be different files, got {out!r} twice")
+    start = time.perf_counter()
+    table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, refine=not no_refine,
+                   progress=_progress)  # fmt: skip
+    seconds = time.perf_counter() - start
+    if out is not None:
+        table.save(out, force=force)
+    if plot is not None:
+        from .plots import plot_table
+
+        plot_table(table, bound, w, plot)
+    if as_json:
+        click.echo(table.to_json(), nl=False)
+        return
+    click.echo(format_summary(table, seconds))
+    for path in (out, plot):
+        if path is not None:
+            click.echo(f"wrote {path}")
+
+
+@cli.command("list")
+def list_command() -> None:
+    """Every activation with its parameters and defaults."""
+    from . import activations
+
+    rows = [("activation", "parameters (defaults)", "f' even", "formula")]
+    for name in activations.names():
+        entry = activations.get(name)
+        params = []
+        for key, default in entry.defaults.items():
+            choices = entry._choices.get(key)
+            text = f"{key}={default!r}"
+            if choices:
+                text += " (" + "|".join(choices) + ")"
+            params.append(text)
+        even = "yes" if entry.bind().even else "no"
+        rows.append((name, ", ".join(params) or "-", even, entry.description))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    for row in rows:
+        click.echo(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}".rstrip())
