@@ -87,7 +87,7 @@ def table_error(problem: Problem, boundaries: np.ndarray, codes: np.ndarray, lev
     # The level of each piece between edges: the interval holding its middle.
     middle = (edges[:-1] + edges[1:]) / 2.0
     piece_levels = levels[codes[np.searchsorted(boundaries, middle, side="right")]]
-    starts, ends, owner = split_at(edges[:-1], edges[1:], problem.breakpoints)
+    starts, ends, owner = split_at(edges[:-1], edges[1:], problem.split_points)
     y = piece_levels[owner]
     values = integrate(lambda x, k: problem.error_density(x, y[k][:, None])[None], starts, ends)
     return float(values.sum())
@@ -95,7 +95,7 @@ def table_error(problem: Problem, boundaries: np.ndarray, codes: np.ndarray, lev
 
 def signal_power(problem: Problem) -> float:
     """The integral of f'**2 w over the range (the numerator of the SNR)."""
-    starts, ends, _ = split_at(np.array([problem.low]), np.array([problem.high]), problem.breakpoints)
+    starts, ends, _ = split_at(np.array([problem.low]), np.array([problem.high]), problem.split_points)
     values = integrate(lambda x, k: problem.densities(x)[2:], starts, ends)
     return float(values.sum())
 
@@ -160,7 +160,9 @@ def design(
     nodes = w.nodes if w.kind == "empirical" else None
     everything = major if nodes is None else np.concatenate([major, nodes])
     name = f"the derivative of {bound.name}"
-    full = Problem(bound.df, w, w.low, w.high, breakpoints=everything, name=name)
+    # A coarse grid that follows the weight: adaptive quadrature splits there, so a narrow weight is never missed.
+    split = make_grid(w.low, w.high, 257, density=w) if w.kind != "uniform" else ()
+    full = Problem(bound.df, w, w.low, w.high, breakpoints=everything, name=name, split_points=split)
 
     if mode == "intervals":
         boundaries, codes, levels, info = _design_intervals(full, bound, w, bits, points, symmetric, refine, say)
@@ -235,7 +237,10 @@ def _design_intervals(
     major = np.asarray(bound.breakpoints + w.breakpoints, dtype=np.float64)
     problem = full
     if symmetric:
-        problem = Problem(bound.df, w, w.low, w.high, breakpoints=full.breakpoints, symmetric=True, name=full.name)
+        problem = Problem(
+            bound.df, w, w.low, w.high, breakpoints=full.breakpoints, symmetric=True, name=full.name,
+            split_points=full.split_points,
+        )  # fmt: skip
     s, levels, grid_loss, result = _intervals_solution(problem, major, w, K, points, refine, say)
     if symmetric:
         boundaries = np.concatenate([-s[::-1], s])

@@ -47,7 +47,8 @@ class Problem:
     """A derivative f' and a weight w on [low, high]: the densities whose integrals every design step needs.
 
     ``df`` and ``weight`` are vectorised callables (float64 in, float64 out). ``breakpoints`` are the points where
-    f' or w jump or kink; those strictly inside the range are kept (sorted, unique). With ``symmetric`` the problem
+    f' or w jump or kink; those strictly inside the range are kept (sorted, unique). ``split_points`` are extra points
+    where adaptive quadrature splits (for example a grid that follows a narrow weight). With ``symmetric`` the problem
     lives on u = |x| (see the module header): ``low`` and ``high`` are then the range of |x| over [A, B].
 
     >>> p = Problem(lambda x: (x > 0).astype(float), lambda x: np.ones_like(x), -1.0, 1.0, breakpoints=[0.0])
@@ -65,6 +66,7 @@ class Problem:
         breakpoints: Iterable[float] = (),
         symmetric: bool = False,
         name: str = "f'",
+        split_points: Iterable[float] = (),
     ) -> None:
         self.df = df
         self.weight = weight
@@ -81,6 +83,11 @@ class Problem:
         else:
             self.low, self.high = self.x_low, self.x_high
         self.breakpoints = points[(points > self.low) & (points < self.high)]
+        extra = np.asarray(list(split_points), dtype=np.float64)
+        extra = np.abs(extra) if self.symmetric else extra
+        #: Where adaptive quadrature splits every interval: the breakpoints plus optional points that resolve a
+        #: narrow weight (an adaptive rule cannot find a peak that none of its first nodes sees).
+        self.split_points = np.union1d(self.breakpoints, extra[(extra > self.low) & (extra < self.high)])
 
     def _side(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """w(x) and f'(x) w(x) with f' evaluated only where w > 0 (f' may be non-finite where it does not count)."""
@@ -301,7 +308,7 @@ def moments(problem: Problem, a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """Moments W, FW, F2 over intervals [a_k, b_k] (clipped to the range) by adaptive quadrature: shape (3, m)."""
     a = np.clip(np.asarray(a, dtype=np.float64).ravel(), problem.low, problem.high)
     b = np.clip(np.asarray(b, dtype=np.float64).ravel(), problem.low, problem.high)
-    starts, ends, owner = split_at(a, b, problem.breakpoints)
+    starts, ends, owner = split_at(a, b, problem.split_points)
     pieces = integrate(lambda x, k: problem.densities(x), starts, ends, components=3)
     out = np.zeros((3, a.size), dtype=np.float64)
     for c in range(3):
