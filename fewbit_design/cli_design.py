@@ -117,7 +117,14 @@ def format_summary(table: Any, seconds: float) -> str:
     help="levelsets: optimal quantizer of f'(X); intervals: the paper's 2**bits intervals.",
 )
 @click.option("--symmetric", is_flag=True, help="Intervals mode: quantize |x| (for even derivatives).")
-@click.option("--grid", type=int, default=None, help="Grid points of the DP (default depends on the mode).")
+@click.option("--grid", type=int, default=None, help="Grid points of the DP (default depends on the mode and bits).")
+@click.option(
+    "--spacing",
+    default="adaptive",
+    show_default=True,
+    metavar="adaptive|uniform",
+    help="Grid spacing: half the points follow w (f'')^2, or evenly spaced (the paper's grid).",
+)
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Activation parameter (repeatable).")
 @click.option(
     "--activation-module",
@@ -131,8 +138,8 @@ def format_summary(table: Any, seconds: float) -> str:
 @click.option("--json", "as_json", is_flag=True, help="Print the table JSON on stdout and nothing else.")
 @click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of f', q and the weight.")
 @click.option("--no-refine", is_flag=True, help="Keep the grid DP's solution (no continuous refinement).")
-def design_command(activation, bits, weight, loc, scale, df, samples, design_range, mode, symmetric, grid, params,
-                   module, out, force, as_json, plot, no_refine) -> None:  # fmt: skip
+def design_command(activation, bits, weight, loc, scale, df, samples, design_range, mode, symmetric, grid, spacing,
+                   params, module, out, force, as_json, plot, no_refine) -> None:  # fmt: skip
     """Design the optimal few-bit approximation of ACTIVATION's derivative.
 
     \b
@@ -140,6 +147,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
       fewbit-design gelu --bits 3 --weight normal
       fewbit-design silu --bits 4 --mode intervals --json | jq .error
       fewbit-design leaky_relu --param negative_slope=0.2 --bits 2 --out leaky.json
+      fewbit-design gelu --bits 1 --mode intervals --grid 1001 --spacing uniform --no-refine   (paper, Table 1)
     """
     from .design import design
     from .table import check_writable
@@ -152,6 +160,9 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
         raise FewBitError("--symmetric applies only to --mode intervals (it quantizes |x|)")
     low, high = check_range(*design_range, name="--range")
     weight_kind = check_choice("--weight", weight, WEIGHT_KINDS)
+    spacing = check_choice("--spacing", spacing, ("adaptive", "uniform"))
+    if grid is not None and not 2**bits + 1 <= grid:
+        raise FewBitError(f"--grid must be at least 2**bits + 1 = {2**bits + 1}, got {grid}")
     bound = _bound_activation(activation, module, params)
     w = make_weight(weight_kind, low=low, high=high, loc=loc, scale=scale, df=df, samples=samples)
     if out is not None:
@@ -161,8 +172,8 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
         if out is not None and Path(out).resolve() == Path(plot).resolve():
             raise FewBitError(f"--out and --plot must be different files, got {out!r} twice")
     start = time.perf_counter()
-    table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, refine=not no_refine,
-                   progress=_progress)  # fmt: skip
+    table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
+                   refine=not no_refine, progress=_progress)  # fmt: skip
     seconds = time.perf_counter() - start
     if out is not None:
         table.save(out, force=force)

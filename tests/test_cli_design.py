@@ -51,6 +51,13 @@ def test_json_is_the_table_and_nothing_else(capsys):
     assert t.symmetric and t.weight == {"kind": "laplace", "loc": 0.0, "scale": 2.0, "low": -8.0, "high": 8.0}
 
 
+def test_paper_recipe_from_the_command_line(capsys):
+    # The paper's Table 1, GELU 1 bit: uniform grid of step 0.02, grid DP only.
+    argv = ["gelu", "--bits", "1", "--mode", "intervals", "--grid", "1001", "--spacing", "uniform", "--no-refine"]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0 and round(json.loads(out)["error"], 4) == 0.1410
+
+
 def test_params_grid_and_no_refine(capsys):
     code, out, _ = run(capsys, "leaky_relu", "--param", "negative_slope=0.2", "--bits", "1", "--json")
     assert code == 0 and json.loads(out)["params"] == {"negative_slope": 0.2}
@@ -159,7 +166,8 @@ BAD_INPUT = [
     (["gelu", "--param", "approximate=fast"], "approximate must be 'none' or 'tanh'"),
     (["gelu", "--mode", "fast"], "--mode must be 'levelsets' or 'intervals', got 'fast'"),
     (["gelu", "--symmetric"], "--symmetric applies only to --mode intervals"),
-    (["gelu", "--grid", "3"], "grid must be an integer from 9"),
+    (["gelu", "--grid", "3"], "--grid must be at least 2**bits + 1 = 9, got 3"),
+    (["gelu", "--spacing", "log"], "--spacing must be 'adaptive' or 'uniform', got 'log'"),
     (["gelu", "--out", "/nonexistent-dir/t.json"], "does not exist"),
     (["--bits", "2"], "missing ACTIVATION"),
     (["gelu", "--activation-module", "math:tanh"], "not both"),

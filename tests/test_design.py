@@ -47,7 +47,7 @@ def quad_error(t: table.Table, name: str, weight: weights.Weight, params=None) -
 def test_paper_table_1_with_the_papers_method(name, bits):
     # The paper's recipe: the grid DP of eq. 7 on a uniform grid with step 0.02, no refinement; our stored error is
     # L of that table by adaptive quadrature. All 24 values agree to the printed four decimals.
-    t = design(name, bits, mode="intervals", symmetric=name in EVEN, grid=1001, refine=False)
+    t = design(name, bits, mode="intervals", symmetric=name in EVEN, grid=1001, spacing="uniform", refine=False)
     assert round(t.error, 4) == PAPER_TABLE_1[name][bits - 1]
 
 
@@ -261,6 +261,7 @@ def test_levelsets_levels_are_sorted_and_padded():
         ({"symmetric": True}, "symmetric applies only to mode 'intervals'"),
         ({"low": 1.0, "high": 1.0}, "A < B"),
         ({"grid": 5, "bits": 3}, "grid must be an integer from 9"),
+        ({"spacing": "log"}, "spacing must be 'adaptive' or 'uniform', got 'log'"),
         ({"weight": "cauchy"}, "weight must be"),
         ({"weight": "normal", "scale": 0.0}, "scale must be > 0"),
         ({"weight": "student-t"}, "needs df"),
