@@ -219,14 +219,34 @@ def test_boundaries_are_rounded_up_to_float32():
 # 64-bit offsets (without allocating 2**31 elements)
 
 
-def test_numba_chunk_bounds_use_64_bit_arithmetic():
+def test_numba_work_split_uses_exact_64_bit_ranges():
     from fewbit_design.runtime.ops import _numba_kernels as kernels
 
-    n = np.uint64(3 * 2**31 + 5)
-    last = (n - np.uint64(1)) // np.uint64(kernels.CHUNK)
-    start, stop = kernels._chunk_bounds(last, n)
-    assert int(start) == int(last) * kernels.CHUNK and int(stop) == int(n)
-    assert int(start) > 2**32
+    n = 3 * 2**31 + 5
+    parts = kernels.split(n, 2)
+    assert parts[0][0] == 0 and parts[-1][1] == n and len(parts) == 2
+    assert parts[0][1] == parts[1][0] > 2**31 and parts[0][1] % kernels.CHUNK == 0
+    assert kernels.split(10, 4) == [(0, 10)]
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_numba_kernels_split_over_threads_agree(threads, monkeypatch):
+    from fewbit_design.runtime.ops import _numba_kernels as kernels
+
+    monkeypatch.setattr(kernels, "MIN_TASK", 8)
+    table = random_table(bits=3, seed=9)
+    tensors = op.table_tensors(table)
+    x = torch.randn(5 * kernels.CHUNK + 11, generator=torch.Generator().manual_seed(4))
+    previous = torch.get_num_threads()
+    try:
+        torch.set_num_threads(threads)
+        packed = op.quantize_numba(x, tensors.boundaries32, tensors.interval_codes, 3)
+        grad = torch.randn_like(x)
+        result = op.scale_numba(grad, packed, tensors.levels32, 3)
+    finally:
+        torch.set_num_threads(previous)
+    np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 3))
+    torch.testing.assert_close(result, oracle_grad(table, x, grad), rtol=0, atol=0)
 
 
 @needs_triton

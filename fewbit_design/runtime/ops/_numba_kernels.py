@@ -3,20 +3,27 @@
 Terms (see :mod:`fewbit_design`): x is cut by sorted ``boundaries`` into intervals, interval m has code
 ``interval_codes[m]`` in [0, 2**bits), code c has level ``levels[c]``. Codes are stored packed: groups of 8
 consecutive elements in ``bits`` bytes, element k of a group in bits [k*bits, (k+1)*bits) of the little-endian word
-(:mod:`.packing`). All kernels take flat contiguous arrays.
+(:mod:`.packing`). All kernels take flat contiguous arrays and an element range [start, stop) with ``start`` a
+multiple of 8, so that ranges own whole groups.
 
-Structure: ``prange`` over chunks of ``CHUNK`` elements (a multiple of 8, so chunks own whole groups); inside a chunk,
-serial loops with *unsigned* 64-bit indices (numba adds a negative-index check to every signed index, which costs
-more than the work here, and 64 bits address more than 2**31 elements). Every constant is a uint64 as well: numba
-types uint64 (op) int64 as float64.
+Parallelism: the kernels are serial ``@njit(cache=True, nogil=True)`` functions and :func:`run` splits the range
+over a thread pool (as many parts as ``torch.get_num_threads()``; small inputs run in the calling thread). numba's
+own ``parallel=True`` launches go through an OpenMP (or TBB / workqueue) pool that competes with torch's OpenMP pool:
+on a loaded 2-core machine a ``prange`` launch of 8192 elements took 11 ms with the OpenMP layer against 0.1 ms
+with the workqueue layer, and the layer is a process-wide choice the runtime should not make for its host.
 
-Forward (quantize + pack), fused per chunk: phase 1 writes the chunk's codes to a small buffer, phase 2 packs the
-buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phase 1 by input dtype:
+Inside a kernel: serial loops with *unsigned* 64-bit indices (numba adds a negative-index check to every signed
+index, which costs more than the work here; 64 bits address more than 2**31 elements). Every constant is a uint64 as
+well, because numba types uint64 (op) int64 as float64.
 
-* float32: a 65536-entry table indexed by the top 16 bits of x's bit pattern (sign, exponent, 7 mantissa bits):
-  entry = t << 16 | A << 8 | B, code = B, or A when t > 0 and low16 >= t (t > 0 only in the few buckets that hold a
-  boundary, so the branch is almost always predicted). Built by :func:`fewbit_design.runtime.ops.fewbit.build_lut32`
-  from the exact float32 comparisons, when no bucket holds two code changes; otherwise the compare path runs.
+Forward (quantize + pack), per chunk of ``CHUNK`` elements: phase 1 writes the codes to a small buffer, phase 2
+packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phase 1 by input dtype:
+
+* float32: a 65536-entry table indexed by the top 16 bits of x's bit pattern (sign, exponent, 7 mantissa bits)
+  gives the code of the whole bucket; the few buckets that hold a boundary are marked and resolved by a second
+  table entry t << 16 | A << 8 | B: code = A if low16 >= t else B. Built by
+  :func:`fewbit_design.runtime.ops.fewbit.build_lut32` from the exact float32 comparisons when no bucket holds two
+  code changes; otherwise the compare path runs. About 6 instructions per element, branch almost always predicted.
 * float16 / bfloat16: code = table[bit pattern] (every 16-bit pattern has its code).
 * float64 (and float32 without a table): interval = len(boundaries) - #(x < boundary), NaN in the last interval.
 
@@ -25,12 +32,18 @@ Backward (``unpack_scale``): grad_input = grad * levels[code], fused unpack + lo
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
 import numba
 import numpy as np
-from numba import prange
 
 __all__ = [
     "CHUNK",
+    "MIN_TASK",
+    "SPLIT",
+    "run",
     "quantize_pack_lut32",
     "quantize_pack_lut16",
     "quantize_pack_compare",
@@ -40,12 +53,14 @@ __all__ = [
     "warm_up",
 ]
 
-CHUNK = 8192  # elements per parallel chunk (a multiple of 8)
+CHUNK = 4096  # elements per phase-1 buffer (a multiple of 8)
+MIN_TASK = 1 << 16  # elements below which a part is not worth a thread
 
 _u64 = numba.uint64
 _u8 = numba.uint8
 _0 = np.uint64(0)
 _1 = np.uint64(1)
+_7 = np.uint64(7)
 _8 = np.uint64(8)
 _16 = np.uint64(16)
 _32 = np.uint64(32)
@@ -54,6 +69,9 @@ _FFFF = np.uint64(0xFFFF)
 _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _LANES16 = np.uint64(0x0001000100010001)  # one in each 16-bit lane
 _LANES32 = np.uint64(0x0000000100000001)  # one in each 32-bit lane
+_CHUNK = np.uint64(CHUNK)
+SPLIT = 0x100  # marks a bucket of the direct float32 table that holds a boundary
+_SPLIT = np.uint64(SPLIT)
 
 
 @numba.njit(cache=True, inline="always")
@@ -76,71 +94,66 @@ def _compress(word, bits):
 
 @numba.njit(cache=True, inline="always")
 def _pack_buffer(buffer, count, bits, out, first_group):
-    # pack ``count`` codes (buffer zero-padded to a multiple of 8) into out, starting at group ``first_group``
+    # pack ``count`` codes of buffer into out from group ``first_group`` on; a partial last group is zero-padded
+    for index in range(count, (count + _7) // _8 * _8):
+        buffer[index] = 0
     words = buffer.view(np.uint64)
-    for group in range((count + np.uint64(7)) // _8):
+    for group in range((count + _7) // _8):
         word = _compress(words[group], bits)
         offset = (first_group + group) * bits
         for byte in range(bits):
             out[offset + byte] = _u8((word >> (_8 * byte)) & _FF)
 
 
-@numba.njit(cache=True, inline="always")
-def _chunk_bounds(chunk, n):
-    start = chunk * np.uint64(CHUNK)
-    stop = min(start + np.uint64(CHUNK), n)
-    return start, stop
+@numba.njit(cache=True, nogil=True)
+def quantize_pack_lut32(x_bits, direct, lut, bits, out, start, stop):
+    """Codes of float32 x (``x_bits``: its uint32 bit patterns), packed into ``out``.
 
-
-@numba.njit(cache=True, parallel=True)
-def quantize_pack_lut32(x_bits, lut, bits, out):
-    """Codes of float32 x (``x_bits``: its uint32 bit patterns) through ``lut`` (uint32[65536]), packed into ``out``."""
-    n = _u64(x_bits.size)
+    ``direct`` (uint16[65536]) holds the code of each bucket, or ``SPLIT`` for the few buckets that hold a boundary,
+    whose ``lut`` (uint32[65536]) entry t << 16 | A << 8 | B gives code = A if low16 >= t else B.
+    """
     ubits = _u64(bits)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        buffer = np.zeros(CHUNK, dtype=np.uint8)
-        for i in range(start, stop):
-            pattern = _u64(x_bits[i])
-            entry = _u64(lut[pattern >> _16])
-            threshold = entry >> _16
-            code = entry & _FF
-            if threshold != _0 and (pattern & _FFFF) >= threshold:
-                code = (entry >> _8) & _FF
-            buffer[i - start] = _u8(code)
-        _pack_buffer(buffer, stop - start, ubits, out, start // _8)
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for chunk in range(_u64(start), _u64(stop), _CHUNK):
+        count = min(_CHUNK, _u64(stop) - chunk)
+        for i in range(count):
+            pattern = _u64(x_bits[chunk + i])
+            code = _u64(direct[pattern >> _16])
+            if code == _SPLIT:
+                entry = _u64(lut[pattern >> _16])
+                code = ((entry >> _8) & _FF) if (pattern & _FFFF) >= (entry >> _16) else (entry & _FF)
+            buffer[i] = _u8(code)
+        _pack_buffer(buffer, count, ubits, out, chunk // _8)
 
 
-@numba.njit(cache=True, parallel=True)
-def quantize_pack_lut16(x_bits, lut, bits, out):
+@numba.njit(cache=True, nogil=True)
+def quantize_pack_lut16(x_bits, lut, bits, out, start, stop):
     """Codes of 16-bit floats (``x_bits``: uint16 bit patterns): code = lut[pattern], packed into ``out``."""
-    n = _u64(x_bits.size)
     ubits = _u64(bits)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        buffer = np.zeros(CHUNK, dtype=np.uint8)
-        for i in range(start, stop):
-            buffer[i - start] = lut[_u64(x_bits[i])]
-        _pack_buffer(buffer, stop - start, ubits, out, start // _8)
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for chunk in range(_u64(start), _u64(stop), _CHUNK):
+        count = min(_CHUNK, _u64(stop) - chunk)
+        for i in range(count):
+            buffer[i] = lut[_u64(x_bits[chunk + i])]
+        _pack_buffer(buffer, count, ubits, out, chunk // _8)
 
 
-@numba.njit(cache=True, parallel=True)
-def quantize_pack_compare(x, boundaries, interval_codes, bits, out):
+@numba.njit(cache=True, nogil=True)
+def quantize_pack_compare(x, boundaries, interval_codes, bits, out, start, stop):
     """Codes of x (float32 or float64, compared in its own dtype with ``boundaries``), packed into ``out``."""
-    n = _u64(x.size)
     ubits = _u64(bits)
-    count = _u64(boundaries.size)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        buffer = np.zeros(CHUNK, dtype=np.uint8)
-        for i in range(start, stop):
+    count_boundaries = _u64(boundaries.size)
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for chunk in range(_u64(start), _u64(stop), _CHUNK):
+        count = min(_CHUNK, _u64(stop) - chunk)
+        for i in range(count):
             # interval = number of boundaries <= x = len(boundaries) - #(x < boundary); NaN: the last interval
-            value = x[i]
-            interval = count
-            for j in range(count):
+            value = x[chunk + i]
+            interval = count_boundaries
+            for j in range(count_boundaries):
                 interval -= _u64(value < boundaries[j])
-            buffer[i - start] = interval_codes[interval]
-        _pack_buffer(buffer, stop - start, ubits, out, start // _8)
+            buffer[i] = interval_codes[interval]
+        _pack_buffer(buffer, count, ubits, out, chunk // _8)
 
 
 @numba.njit(cache=True, inline="always")
@@ -152,56 +165,94 @@ def _load_word(packed, group, bits):
     return word
 
 
-@numba.njit(cache=True, parallel=True)
-def unpack_scale(grad, packed, levels, bits, out):
+@numba.njit(cache=True, nogil=True)
+def unpack_scale(grad, packed, levels, bits, out, start, stop):
     """out = grad * levels[code] (in the dtype of grad and levels), codes unpacked from ``packed``."""
-    n = _u64(grad.size)
     ubits = _u64(bits)
     mask = _low_mask(ubits)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        full_stop = start + (stop - start) // _8 * _8
-        for group in range(start // _8, full_stop // _8):
-            word = _load_word(packed, group, ubits)
-            base = group * _8
-            for k in range(_8):
-                out[base + k] = grad[base + k] * levels[(word >> (k * ubits)) & mask]
-        if full_stop < stop:
-            word = _load_word(packed, full_stop // _8, ubits)
-            for k in range(stop - full_stop):
-                out[full_stop + k] = grad[full_stop + k] * levels[(word >> (k * ubits)) & mask]
+    begin = _u64(start)
+    end = _u64(stop)
+    full_end = begin + (end - begin) // _8 * _8
+    for group in range(begin // _8, full_end // _8):
+        word = _load_word(packed, group, ubits)
+        base = group * _8
+        for k in range(_8):
+            out[base + k] = grad[base + k] * levels[(word >> (k * ubits)) & mask]
+    if full_end < end:
+        word = _load_word(packed, full_end // _8, ubits)
+        for k in range(end - full_end):
+            out[full_end + k] = grad[full_end + k] * levels[(word >> (k * ubits)) & mask]
 
 
-@numba.njit(cache=True, parallel=True)
-def pack_codes(codes, bits, out):
+@numba.njit(cache=True, nogil=True)
+def pack_codes(codes, bits, out, start, stop):
     """Pack integer codes (any integer dtype; only the low ``bits`` bits are kept) into ``out``."""
-    n = _u64(codes.size)
     ubits = _u64(bits)
     mask = _low_mask(ubits)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        buffer = np.zeros(CHUNK, dtype=np.uint8)
-        for i in range(start, stop):
-            buffer[i - start] = _u8(_u64(codes[i]) & mask)
-        _pack_buffer(buffer, stop - start, ubits, out, start // _8)
+    buffer = np.empty(CHUNK, dtype=np.uint8)
+    for chunk in range(_u64(start), _u64(stop), _CHUNK):
+        count = min(_CHUNK, _u64(stop) - chunk)
+        for i in range(count):
+            buffer[i] = _u8(_u64(codes[chunk + i]) & mask)
+        _pack_buffer(buffer, count, ubits, out, chunk // _8)
 
 
-@numba.njit(cache=True, parallel=True)
-def unpack_codes(packed, bits, out):
-    """Unpack ``out.size`` codes from ``packed`` into ``out`` (int64)."""
-    n = _u64(out.size)
+@numba.njit(cache=True, nogil=True)
+def unpack_codes(packed, bits, out, start, stop):
+    """Unpack codes [start, stop) from ``packed`` into ``out`` (int64)."""
     ubits = _u64(bits)
     mask = _low_mask(ubits)
-    for chunk in prange((n + np.uint64(CHUNK - 1)) // np.uint64(CHUNK)):
-        start, stop = _chunk_bounds(_u64(chunk), n)
-        for i in range(start, stop):
-            word = _load_word(packed, i // _8, ubits)
-            out[i] = numba.int64((word >> ((i % _8) * ubits)) & mask)
+    for i in range(_u64(start), _u64(stop)):
+        word = _load_word(packed, i // _8, ubits)
+        out[i] = numba.int64((word >> ((i % _8) * ubits)) & mask)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Running a kernel over [0, n) in parallel
+
+
+_POOL: ThreadPoolExecutor | None = None
+_POOL_LOCK = threading.Lock()
+
+
+def _pool() -> ThreadPoolExecutor:
+    global _POOL
+    with _POOL_LOCK:
+        if _POOL is None:
+            _POOL = ThreadPoolExecutor(max_workers=max(1, (os.cpu_count() or 1) - 1), thread_name_prefix="fewbit")
+        return _POOL
+
+
+def split(n: int, parts: int) -> list[tuple[int, int]]:
+    """[0, n) cut into ``parts`` ranges of nearly equal length whose starts are multiples of ``CHUNK``."""
+    chunks = -(-n // CHUNK)
+    parts = max(1, min(parts, chunks))
+    edges = [min(n, (chunks * index // parts) * CHUNK) for index in range(parts + 1)]
+    return [(edges[index], edges[index + 1]) for index in range(parts) if edges[index] < edges[index + 1]]
+
+
+def run(kernel, n: int, *args, threads: int | None = None) -> None:
+    """``kernel(*args, start, stop)`` over [0, n): in the calling thread for small n, else split over ``threads``
+    (default ``torch.get_num_threads()``) ranges, one of them in the calling thread."""
+    if n <= 0:
+        return
+    if threads is None:
+        import torch
+
+        threads = torch.get_num_threads()
+    parts = split(n, min(threads, max(1, n // MIN_TASK)))
+    if len(parts) == 1:
+        kernel(*args, 0, n)
+        return
+    futures = [_pool().submit(kernel, *args, start, stop) for start, stop in parts[1:]]
+    kernel(*args, *parts[0])
+    for future in futures:
+        future.result()
 
 
 def warm_up() -> None:
     """Compile (or load from numba's cache) the float32 kernels, e.g. before timing."""
     x = np.zeros(9, np.float32)
     out = np.zeros(6, np.uint8)
-    quantize_pack_lut32(x.view(np.uint32), np.zeros(65536, np.uint32), 3, out)
-    unpack_scale(x, out, np.zeros(8, np.float32), 3, np.empty_like(x))
+    quantize_pack_lut32(x.view(np.uint32), np.zeros(65536, np.uint16), np.zeros(65536, np.uint32), 3, out, 0, 9)
+    unpack_scale(x, out, np.zeros(8, np.float32), 3, np.empty_like(x), 0, 9)

@@ -39,60 +39,119 @@ always exact.
 
 from __future__ import annotations
 
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from functools import lru_cache
+
+import numpy as np
 import torch
 
-from .packing import pack_reference, packed_nbytes, unpack_reference
+from ...errors import FewBitError, check_choice
+from .packing import pack, packed_nbytes, unpack
 
-__all__ = ["ChannelGrid", "channel_grid", "quantize", "dequantize", "pack_codes", "unpack_codes", "compute_dtype"]
+__all__ = [
+    "ChannelGrid",
+    "channel_grid",
+    "quantize",
+    "dequantize",
+    "pack_codes",
+    "unpack_codes",
+    "compute_dtype",
+    "BACKENDS",
+    "set_backend",
+    "get_backend",
+    "use_kernels",
+    "forward_kernel",
+    "decoder",
+    "decode_a3_kernel",
+    "backward_kernel",
+]
 
 # |r| beyond this: f = k - r is meaningless in floating point; the grid offset is then arbitrary anyway
 _HUGE_R = 2.0**40
 
+BACKENDS = ("auto", "torch", "numba")
+_state = {"backend": "auto"}
+
 
 def compute_dtype(dtype: torch.dtype) -> torch.dtype:
-    """The dtype quantization and gradient arithmetic run in: float64 stays, everything else uses float32."""
+    """The dtype A1, A2, A3 and gradients are computed in: float64 stays, everything else uses float32.
+
+    Bin arithmetic (codes, A1~) always runs in float64 on per-channel float64 constants, in the reference and in the
+    kernels alike, so both give the same codes.
+    """
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class ChannelGrid:
-    """Per-channel constants of the quantizer (1-D tensors of length C in the compute dtype).
+    """Per-channel constants of the quantizer (1-D float64 tensors of length C, on gamma's device).
 
     Attributes:
-        sign: sign(gamma) with sign(0) = +1.
-        inv_delta: 2**K / 6, the scale from A1 to bin units (a Python float).
+        scale: sign(gamma) * 2**K / 6, from A1 to bin units (sign(0) = +1).
+        step: sign(gamma) * 6 / 2**K, from bin units back to A1.
         f: k - r with k = ceil(r + 1/2), the grid offset in [0.5, 1.5) (1 where gamma == 0 or |r| is huge).
+        offset: f - 2**(K-1) - 1/2, so a regular code c decodes to (c + offset) * step.
         r: beta / Delta (0 where gamma == 0; only used for catch-all codes).
         z: first code of a positive bin, unclamped (equals p where gamma == 0).
         p: first code meaning "A2 > 0", in [0, 2**K].
+
+    The constants are computed with numpy in float64 on the host (C values), then moved to gamma's device; the
+    ``numpy`` attribute keeps the host arrays (a dict) for the CPU kernels.
     """
 
-    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor, bits: int, dtype: torch.dtype):
+    def __init__(self, gamma: torch.Tensor, beta: torch.Tensor, bits: int):
         levels = 1 << bits
         half = levels >> 1
-        g = gamma.detach().to(torch.float64)
-        b = beta.detach().to(torch.float64)
+        g = gamma.detach().to("cpu", torch.float64).numpy()
+        b = beta.detach().to("cpu", torch.float64).numpy()
         zero = g == 0
         self.bits = bits
-        self.inv_delta = levels / 6.0
-        self.sign = torch.where(g < 0, -1.0, 1.0).to(torch.float64)
-        abs_g = torch.where(zero, 1.0, g.abs())
-        r = b * self.inv_delta / abs_g
-        r = torch.where(zero, 0.0, r)
-        k = torch.ceil(r + 0.5)
-        f = torch.where(r.abs() < _HUGE_R, k - r, 1.0)
+        inv_delta = levels / 6.0
+        sign = np.where(g < 0, -1.0, 1.0)
+        abs_g = np.where(zero, 1.0, np.abs(g))
+        with np.errstate(over="ignore", invalid="ignore"):
+            r = np.where(zero, 0.0, b * inv_delta / abs_g)
+            k = np.ceil(r + 0.5)
+            f = np.where(np.abs(r) < _HUGE_R, k - r, 1.0)
         z = half + 1 - k
-        p_nonzero = z.clamp(1, levels - 1)
-        p_zero = torch.where(b > 0, 0.0, float(levels))
-        self.r = r.to(dtype)
-        self.f = f.to(dtype)
-        self.z = torch.where(zero, p_zero, z).to(dtype)
-        self.p = torch.where(zero, p_zero, p_nonzero).to(dtype)
-        self.sign = self.sign.to(dtype)
+        p_zero = np.where(b > 0, 0.0, float(levels))
+        arrays = {
+            "scale": sign * inv_delta,
+            "step": sign / inv_delta,
+            "f": f,
+            "offset": (f - half) - 0.5,
+            "r": r,
+            "z": np.where(zero, p_zero, z),
+            "p": np.where(zero, p_zero, np.clip(z, 1, levels - 1)),
+        }
+        self.numpy = {name: np.ascontiguousarray(value, dtype=np.float64) for name, value in arrays.items()}
+        device = gamma.device
+        for name, value in self.numpy.items():
+            setattr(self, name, torch.from_numpy(value).to(device))
+
+    def lookup_tables(self, gamma: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype):
+        """numpy tables (C, 2**K) of A1~ and A3~ per code in ``dtype`` (the reference formula of :func:`dequantize`)."""
+        levels = 1 << self.bits
+        arrays = self.numpy
+        codes = np.arange(levels, dtype=np.float64)[None, :]
+        p, z, step = arrays["p"][:, None], arrays["z"][:, None], arrays["step"][:, None]
+        mask = codes >= p
+        a1 = (codes + arrays["offset"][:, None]) * step
+        catch = np.where(mask, codes < z, codes >= z)
+        with np.errstate(over="ignore", invalid="ignore"):
+            centre = np.where(mask, 0.5, -0.5)
+            a1 = np.where(catch, (centre - arrays["r"][:, None]) * step, a1)
+            g = gamma.detach().to("cpu", torch.float64).numpy()[:, None]
+            b = beta.detach().to("cpu", torch.float64).numpy()[:, None]
+            a3 = np.where(mask, np.maximum(a1 * g + b, 0.0), 0.0)
+        numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
+        return np.ascontiguousarray(a1, dtype=numpy_dtype), np.ascontiguousarray(a3, dtype=numpy_dtype)
 
 
-def channel_grid(gamma: torch.Tensor, beta: torch.Tensor, bits: int, dtype: torch.dtype) -> ChannelGrid:
+def channel_grid(gamma: torch.Tensor, beta: torch.Tensor, bits: int) -> ChannelGrid:
     """The per-channel quantizer constants for scale ``gamma`` and shift ``beta`` at ``bits`` bits."""
-    return ChannelGrid(gamma, beta, bits, dtype)
+    return ChannelGrid(gamma, beta, bits)
 
 
 def _per_channel(values: torch.Tensor, ndim: int) -> torch.Tensor:
@@ -102,13 +161,12 @@ def _per_channel(values: torch.Tensor, ndim: int) -> torch.Tensor:
 def quantize(a1: torch.Tensor, a2: torch.Tensor, grid: ChannelGrid) -> torch.Tensor:
     """Codes (uint8, shape of ``a1``) of the normalized activations ``a1``; ``a2`` (same shape) gives the signs.
 
-    Channels are along dim 1. ``a1`` and ``a2`` must be in the grid's dtype.
+    Channels are along dim 1. Reference implementation (any device).
     """
     levels = 1 << grid.bits
     half = levels >> 1
     ndim = a1.dim()
-    scale = _per_channel(grid.sign * grid.inv_delta, ndim)
-    raw = torch.ceil(torch.addcmul(-_per_channel(grid.f, ndim), a1, scale)).add_(half)
+    raw = torch.ceil(a1.to(torch.float64) * _per_channel(grid.scale, ndim) - _per_channel(grid.f, ndim)) + half
     positive = a2 > 0
     p = _per_channel(grid.p, ndim)
     low = torch.where(positive, p, 0.0)
@@ -120,27 +178,25 @@ def quantize(a1: torch.Tensor, a2: torch.Tensor, grid: ChannelGrid) -> torch.Ten
 def dequantize(
     codes: torch.Tensor, grid: ChannelGrid, gamma: torch.Tensor, beta: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(mask, a1, a3)``: the ReLU mask (bool), the approximate A1 and A3 in the grid's dtype.
+    """``(mask, a1, a3)``: the ReLU mask (bool), the approximate A1 and A3 (float64). Reference (any device).
 
     ``codes`` has channels along dim 1; ``gamma`` and ``beta`` are the per-channel parameters.
     """
-    dtype = grid.f.dtype
     ndim = codes.dim()
-    half = (1 << grid.bits) >> 1
-    c = codes.to(dtype)
+    c = codes.to(torch.float64)
     mask = c >= _per_channel(grid.p, ndim)
     z = _per_channel(grid.z, ndim)
-    step = _per_channel(grid.sign / grid.inv_delta, ndim)
-    a1 = (c + (_per_channel(grid.f, ndim) - half - 0.5)).mul_(step)
+    step = _per_channel(grid.step, ndim)
+    a1 = (c + _per_channel(grid.offset, ndim)) * step
     catch = torch.where(mask, c < z, c >= z)
     if bool(catch.any()):
         r = _per_channel(grid.r, ndim)
         centre = torch.where(mask, 0.5, -0.5)
         a1 = torch.where(catch, (centre - r) * step, a1)
-    g = _per_channel(gamma.detach().to(dtype), ndim)
-    b = _per_channel(beta.detach().to(dtype), ndim)
-    a2 = torch.addcmul(b, a1, g)
-    a3 = torch.where(mask, a2.clamp_min_(0.0), 0.0)
+    g = _per_channel(gamma.detach().to(torch.float64), ndim)
+    b = _per_channel(beta.detach().to(torch.float64), ndim)
+    a2 = a1 * g + b
+    a3 = torch.where(mask, a2.clamp_min(0.0), 0.0)
     return mask, a1, a3
 
 
@@ -160,7 +216,7 @@ def pack_codes(codes: torch.Tensor, bits: int) -> torch.Tensor:
         for k in range(1, per_byte):
             packed |= grouped[:, k] << (k * bits)
         return packed
-    return pack_reference(flat, bits)
+    return pack(flat, bits)
 
 
 def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
@@ -173,4 +229,188 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
         mask = (1 << bits) - 1
         parts = [(packed >> (k * bits)) & mask for k in range(per_byte)]
         return torch.stack(parts, dim=1).reshape(-1)[:numel]
-    return unpack_reference(packed, bits, numel)
+    return unpack(packed, bits, numel)
+
+
+# ----------------------------------------------------------------------------------------------- CPU kernels
+
+
+def set_backend(name: str) -> None:
+    """Where the element-wise BLPA work runs: 'auto' (numba kernels for float32/float64 CPU tensors when numba is
+    installed, the torch reference otherwise), 'torch' (always the reference) or 'numba' (always the kernels)."""
+    _state["backend"] = check_choice("backend", name, BACKENDS)
+
+
+def get_backend() -> str:
+    """The current backend name (see :func:`set_backend`)."""
+    return _state["backend"]
+
+
+@lru_cache(maxsize=1)
+def _numba_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("numba") is not None
+
+
+def use_kernels(tensor: torch.Tensor) -> bool:
+    """Whether the numba kernels handle ``tensor`` under the current backend."""
+    backend = _state["backend"]
+    if backend == "torch":
+        return False
+    supported = tensor.device.type == "cpu" and tensor.dtype in (torch.float32, torch.float64)
+    if backend == "numba" and not (supported and _numba_available()):
+        raise FewBitError(
+            f"backend 'numba' needs numba and a float32/float64 CPU tensor, got {tensor.dtype} on {tensor.device}"
+        )
+    return supported and _numba_available()
+
+
+def _numpy(tensor: torch.Tensor, dtype: torch.dtype):
+    return tensor.detach().to(dtype).contiguous().reshape(-1).numpy()
+
+
+_POOL: list[ThreadPoolExecutor] = []
+_POOL_LOCK = threading.Lock()
+_MIN_ELEMENTS_PER_THREAD = 1 << 15
+
+
+def _pool() -> ThreadPoolExecutor:
+    with _POOL_LOCK:
+        if not _POOL:
+            workers = max(1, (os.cpu_count() or 1) - 1)
+            _POOL.append(ThreadPoolExecutor(max_workers=workers, thread_name_prefix="fewbit-blpa"))
+        return _POOL[0]
+
+
+def _run_planes(kernel, planes: int, inner: int, *args) -> None:
+    """``kernel(*args, plane_start, plane_stop)`` over all planes, split over ``torch.get_num_threads()`` threads
+    at plane indices that are multiples of 8 (so each range starts a packing group); small inputs run inline."""
+    parts = min(torch.get_num_threads(), max(1, planes * inner // _MIN_ELEMENTS_PER_THREAD), max(1, planes // 8))
+    if parts <= 1:
+        kernel(*args, 0, planes)
+        return
+    edges = [min(planes, -(-(planes * index // parts) // 8) * 8) for index in range(parts + 1)]
+    edges[-1] = planes
+    ranges = [(edges[i], edges[i + 1]) for i in range(parts) if edges[i] < edges[i + 1]]
+    futures = [_pool().submit(kernel, *args, start, stop) for start, stop in ranges[1:]]
+    kernel(*args, *ranges[0])
+    for future in futures:
+        future.result()
+
+
+def _layout(shape: torch.Size) -> tuple[int, int, int]:
+    channels = shape[1]
+    planes = shape[0] * channels
+    return channels, planes, shape.numel() // planes
+
+
+def forward_kernel(
+    x: torch.Tensor, mean: torch.Tensor, invstd: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bits, naive
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(A3, stored)``: A3 in the compute dtype (relu of A2, or of A2~ when naive) and what backward keeps (the
+    packed codes, or A1 when ``bits`` is None), computed in one fused pass (numba)."""
+    from . import _blpa_numba as kernels
+
+    dtype = invstd.dtype
+    numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
+    channels, planes, inner = _layout(x.shape)
+    a3 = torch.empty(x.shape, dtype=dtype)
+    empty = np.zeros(channels, dtype=np.float64)
+    if bits is None:
+        mode, scale, f, p = 0, empty, empty, empty
+        lut_a3 = np.zeros((channels, 1), dtype=numpy_dtype)
+        stored = torch.empty(x.shape, dtype=dtype)
+        packed = torch.empty(0, dtype=torch.uint8)
+        store_array = stored.view(-1).numpy()
+    else:
+        mode, grid = 1, ChannelGrid(gamma, beta, bits)
+        scale, f, p = grid.numpy["scale"], grid.numpy["f"], grid.numpy["p"]
+        lut_a3 = grid.lookup_tables(gamma, beta, dtype)[1] if naive else np.zeros((channels, 1), dtype=numpy_dtype)
+        packed = torch.zeros(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
+        stored = packed
+        store_array = np.zeros(0, dtype=numpy_dtype)
+    _run_planes(
+        kernels.forward, planes, inner,
+        _numpy(x, dtype), _numpy(mean, dtype), _numpy(invstd, dtype), _numpy(gamma, dtype), _numpy(beta, dtype),
+        channels, inner, mode, bool(naive), bits or 8, scale, f, p, lut_a3, a3.view(-1).numpy(), packed.numpy(),
+        store_array,
+    )  # fmt: skip
+    return a3, stored
+
+
+class _Decoder:
+    """What the backward kernels need to decode a unit's stored activations (built once per backward)."""
+
+    def __init__(self, stored: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype: torch.dtype):
+        numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
+        channels = gamma.numel()
+        self.bits = bits or 8
+        self.gamma = _numpy(gamma, dtype)
+        self.beta = _numpy(beta, dtype)
+        if bits is None:
+            self.mode = 0
+            self.packed = np.zeros(0, dtype=np.uint8)
+            self.values = stored.contiguous().view(-1).numpy()
+            self.p = np.zeros(channels, dtype=np.float64)
+            self.lut_a1 = self.lut_a3 = np.zeros((channels, 1), dtype=numpy_dtype)
+        else:
+            self.mode = 1
+            self.packed = stored.numpy()
+            self.values = np.zeros(0, dtype=numpy_dtype)
+            grid = ChannelGrid(gamma, beta, bits)
+            self.p = grid.numpy["p"]
+            self.lut_a1, self.lut_a3 = grid.lookup_tables(gamma, beta, dtype)
+
+
+def decoder(stored: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype: torch.dtype) -> _Decoder:
+    """Per-backward decoding state for :func:`decode_a3_kernel` and :func:`backward_kernel`."""
+    return _Decoder(stored, gamma, beta, bits, dtype)
+
+
+def decode_a3_kernel(state: _Decoder, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
+    """A3~ (compute dtype, ``shape``) from what the forward stored (numba)."""
+    from . import _blpa_numba as kernels
+
+    channels, planes, inner = _layout(shape)
+    a3 = torch.empty(shape, dtype=dtype)
+    _run_planes(
+        kernels.decode_a3, planes, inner,
+        state.packed, state.values, state.gamma, state.beta, channels, inner, state.mode, state.bits, state.lut_a3,
+        a3.view(-1).numpy(),
+    )  # fmt: skip
+    return a3
+
+
+def backward_kernel(
+    state: _Decoder, grad_a3: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, need_x: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``(grad_beta, grad_gamma, grad_x)`` (float64, float64, compute dtype) of eqs. (6)-(8) (numba)."""
+    from . import _blpa_numba as kernels
+
+    dtype = invstd.dtype
+    shape = grad_a3.shape
+    channels, planes, inner = _layout(shape)
+    grad = _numpy(grad_a3, grad_a3.dtype if grad_a3.dtype in (torch.float32, torch.float64) else dtype)
+    sum_beta = torch.empty(planes, dtype=torch.float64)
+    sum_gamma = torch.empty(planes, dtype=torch.float64)
+    _run_planes(
+        kernels.reduce_grads, planes, inner,
+        state.packed, state.values, grad, state.gamma, state.beta, channels, inner, state.mode, state.bits, state.p,
+        state.lut_a1, sum_beta.numpy(), sum_gamma.numpy(),
+    )  # fmt: skip
+    grad_beta = sum_beta.view(-1, channels).sum(0)
+    grad_gamma = sum_gamma.view(-1, channels).sum(0)
+    grad_x = None
+    if need_x:
+        count = (planes // channels) * inner
+        gamma64 = gamma.detach().to(torch.float64)
+        mean_grad = (gamma64 * grad_beta / count).numpy()
+        mean_proj = (gamma64 * grad_gamma / count).numpy()
+        grad_x = torch.empty(shape, dtype=dtype)
+        _run_planes(
+            kernels.grad_input, planes, inner,
+            state.packed, state.values, grad, state.gamma, state.beta, _numpy(invstd, dtype), mean_grad, mean_proj,
+            channels, inner, state.mode, state.bits, state.p, state.lut_a1, grad_x.view(-1).numpy(),
+        )  # fmt: skip
+    return grad_beta, grad_gamma, grad_x

@@ -35,6 +35,7 @@ and :func:`fewbit_activation`, the autograd entry point used by :mod:`fewbit_des
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import threading
 import weakref
@@ -57,6 +58,7 @@ __all__ = [
     "decode_table",
     "boundaries_float32",
     "build_lut32",
+    "direct_lut32",
     "build_lut16",
     "quantize_reference",
     "scale_reference",
@@ -104,7 +106,8 @@ def boundaries_float32(boundaries: np.ndarray) -> np.ndarray:
     True
     """
     exact = np.asarray(boundaries, dtype=np.float64)
-    rounded = exact.astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond the float32 range: inf, then the comparison below keeps it right
+        rounded = exact.astype(np.float32)
     below = rounded.astype(np.float64) < exact
     rounded[below] = np.nextafter(rounded[below], np.float32(np.inf))
     return rounded
@@ -204,7 +207,7 @@ def scale_reference(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tens
 # numba CPU kernels
 
 
-_LUT_CACHE: dict[tuple, np.ndarray | None] = {}
+_LUT_CACHE: dict[tuple, Any] = {}
 _LUT_CACHE_SIZE = 256
 
 
@@ -242,6 +245,11 @@ def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndar
     return entries.astype(np.uint32)
 
 
+def direct_lut32(lut: np.ndarray) -> np.ndarray:
+    """The bucket codes of :func:`build_lut32` (uint16[65536]), ``SPLIT`` (0x100) where a bucket holds a boundary."""
+    return np.where((lut >> 16) == 0, lut & 0xFF, 0x100).astype(np.uint16)
+
+
 def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
     """Code of every float16 or bfloat16 bit pattern (uint8[65536]), compared in float32 (exact upcast)."""
     patterns = np.arange(65536, dtype=np.uint32)
@@ -255,7 +263,7 @@ def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np
     return np.asarray(interval_codes, dtype=np.uint8)[intervals]
 
 
-def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor) -> np.ndarray | None:
+def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor) -> Any:
     # keyed by content (a few hundred bytes), so equal tables share a LUT and a reused address never aliases
     boundaries_np = boundaries.detach().cpu().numpy()
     codes_np = interval_codes.detach().cpu().numpy()
@@ -264,7 +272,8 @@ def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: to
         if len(_LUT_CACHE) >= _LUT_CACHE_SIZE:
             _LUT_CACHE.clear()
         if dtype == torch.float32:
-            _LUT_CACHE[key] = build_lut32(boundaries_np, codes_np)
+            lut = build_lut32(boundaries_np, codes_np)
+            _LUT_CACHE[key] = None if lut is None else (direct_lut32(lut), lut)
         else:
             _LUT_CACHE[key] = build_lut16(dtype, boundaries_np, codes_np)
     return _LUT_CACHE[key]
@@ -294,14 +303,17 @@ def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: to
     out_np = out.numpy()
     if x.dtype in (torch.float16, torch.bfloat16):
         lut16 = _cached_lut(x.dtype, boundaries, interval_codes)
-        kernels.quantize_pack_lut16(flat.view(torch.int16).numpy().view(np.uint16), lut16, bits, out_np)
+        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
+        kernels.run(kernels.quantize_pack_lut16, numel, x_bits, lut16, bits, out_np)
         return out
-    lut32 = _cached_lut(x.dtype, boundaries, interval_codes) if x.dtype == torch.float32 else None
-    if lut32 is not None:
-        kernels.quantize_pack_lut32(flat.numpy().view(np.uint32), lut32, bits, out_np)
+    luts = _cached_lut(x.dtype, boundaries, interval_codes) if x.dtype == torch.float32 else None
+    if luts is not None:
+        direct, lut32 = luts
+        kernels.run(kernels.quantize_pack_lut32, numel, flat.numpy().view(np.uint32), direct, lut32, bits, out_np)
     else:
         codes_np = interval_codes.detach().cpu().numpy()
-        kernels.quantize_pack_compare(flat.numpy(), boundaries.detach().cpu().numpy(), codes_np, bits, out_np)
+        boundaries_np = boundaries.detach().cpu().numpy()
+        kernels.run(kernels.quantize_pack_compare, numel, flat.numpy(), boundaries_np, codes_np, bits, out_np)
     return out
 
 
@@ -317,7 +329,8 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
     if flat.dtype != levels.dtype:  # float16 / bfloat16 gradients: compute in float32, round once at the end
         flat = flat.to(levels.dtype)
     out = torch.empty_like(flat)
-    kernels.unpack_scale(flat.numpy(), packed.detach().numpy(), levels.detach().cpu().numpy(), bits, out.numpy())
+    levels_np = levels.detach().cpu().numpy()
+    kernels.run(kernels.unpack_scale, flat.numel(), flat.numpy(), packed.detach().numpy(), levels_np, bits, out.numpy())
     return out.to(grad.dtype).reshape(grad.shape)
 
 
@@ -414,6 +427,7 @@ def use_backend(name: str | None) -> Iterator[None]:
         _forced.name = previous
 
 
+@functools.cache
 def _importable(module: str) -> bool:
     import importlib.util
 
@@ -487,7 +501,12 @@ class _FewBitFunction(torch.autograd.Function):
     def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
         # the native op, not recorded by autograd: y is bitwise the native module's output and x is not saved
         y = native(x)
-        packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
+        # eager calls the launcher directly (the custom op's Python wrapper costs ~0.1 ms a call); torch.compile
+        # traces the custom op
+        if torch.compiler.is_compiling():
+            packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
+        else:
+            packed = quantize(x, boundaries, interval_codes, bits)
         ctx.save_for_backward(packed, levels32, levels64)
         ctx.bits = bits
         return y
@@ -498,7 +517,10 @@ class _FewBitFunction(torch.autograd.Function):
             raise FewBitError(SECOND_ORDER_MESSAGE.format(bits=ctx.bits))
         packed, levels32, levels64 = ctx.saved_tensors
         levels = levels64 if grad.dtype == torch.float64 else levels32
-        grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
+        if torch.compiler.is_compiling():
+            grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
+        else:
+            grad_input = scale(grad, packed, levels, ctx.bits)
         return grad_input, None, None, None, None, None, None
 
 

@@ -11,6 +11,8 @@ is not installed).
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import FewBitError
@@ -59,6 +61,7 @@ def unpack_reference(packed: torch.Tensor, bits: int, numel: int) -> torch.Tenso
     return codes.reshape(-1)[:numel]
 
 
+@functools.cache
 def _numba_available() -> bool:
     import importlib.util
 
@@ -76,12 +79,11 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return pack_reference(codes, bits)
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise FewBitError(f"codes must be an integer tensor, got {codes.dtype}")
-    from ._numba_kernels import pack_codes
+    from . import _numba_kernels as kernels
 
     flat = codes.detach().reshape(-1).contiguous()
     out = torch.empty(packed_nbytes(flat.numel(), bits), dtype=torch.uint8)
-    if flat.numel():
-        pack_codes(flat.numpy(), bits, out.numpy())
+    kernels.run(kernels.pack_codes, flat.numel(), flat.numpy(), bits, out.numpy())
     return out
 
 
@@ -95,9 +97,8 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
             f"packed codes must be ceil({numel}/8)*{bits} = {packed_nbytes(numel, bits)} uint8 bytes, "
             f"got {packed.numel()} {packed.dtype}"
         )
-    from ._numba_kernels import unpack_codes
+    from . import _numba_kernels as kernels
 
     out = torch.empty(int(numel), dtype=torch.int64)
-    if numel:
-        unpack_codes(packed.detach().reshape(-1).contiguous().numpy(), bits, out.numpy())
+    kernels.run(kernels.unpack_codes, int(numel), packed.detach().reshape(-1).contiguous().numpy(), bits, out.numpy())
     return out

@@ -1,0 +1,171 @@
+"""Few-bit activations against the native torch modules: forward, backward and forward+backward time, saved bytes.
+
+For each activation, bit width and size (float32, 1-D, requires_grad like an activation in training) it times, with
+native and few-bit measurements interleaved in the same run:
+
+* forward:           ``module(x)`` (the native module saves x or its output; the few-bit one packs codes);
+* backward:          ``torch.autograd.grad(y, x, grad)`` on a graph built once (retained);
+* forward+backward:  ``torch.autograd.grad(module(x), x, grad)``;
+
+and reports medians and few-bit / native ratios, plus the bytes saved for backward
+(``fewbit_design.runtime.memory.saved_bytes``). Tables: the shipped table when there is one, else one designed now
+with ``fewbit_design.design`` (said in the output). Prints a table and writes a CSV.
+
+    python benchmarks/runtime_speed.py                              # gelu,silu,relu,sigmoid,tanh; bits 1-4; 2^16..2^24
+    python benchmarks/runtime_speed.py --activations gelu,silu --bits 3 --sizes 24
+    python benchmarks/runtime_speed.py --clock process --threads 1  # CPU seconds: robust on a busy machine
+    python benchmarks/runtime_speed.py --quick                      # smoke test
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from fewbit_design import activations
+from fewbit_design.errors import FewBitError
+from fewbit_design.runtime import memory
+from fewbit_design.runtime import nn as fewbit_nn
+from fewbit_design.runtime.tables import load_table
+
+DEFAULT_ACTIVATIONS = "gelu,silu,relu,sigmoid,tanh"
+CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+
+
+def get_table(name: str, bits: int) -> tuple[object, str]:
+    """The shipped table, or a freshly designed one (with where it came from)."""
+    try:
+        return load_table(name, bits=bits), "shipped"
+    except FewBitError:
+        from fewbit_design.design import design
+
+        return design(name, bits), "designed now"
+
+
+def modules(name: str, table) -> tuple[torch.nn.Module, torch.nn.Module]:
+    entry = activations.get(name)
+    native_class = getattr(torch.nn, entry.torch_name)
+    fewbit_class = getattr(fewbit_nn, entry.torch_name)
+    if name == "threshold":
+        return native_class(0.0, 0.0), fewbit_class(0.0, 0.0, table=table)
+    return native_class(), fewbit_class(table=table)
+
+
+def measure(native, fewbit, n: int, repeats: int, clock) -> dict[str, float]:
+    """Median seconds of forward, backward, forward+backward for both modules, interleaved."""
+    generator = torch.Generator().manual_seed(n)
+    x = torch.randn(n, generator=generator).requires_grad_()
+    grad = torch.randn(n, generator=generator)
+    graphs = {"native": native(x), "fewbit": fewbit(x)}
+    runs = {
+        "forward": lambda module, key: module(x),
+        "backward": lambda module, key: torch.autograd.grad(graphs[key], x, grad, retain_graph=True),
+        "forward+backward": lambda module, key: torch.autograd.grad(module(x), x, grad),
+    }
+    times: dict[str, list[float]] = {f"{kind} {key}": [] for kind in runs for key in graphs}
+    for kind, run in runs.items():
+        for key, module in (("native", native), ("fewbit", fewbit)):
+            run(module, key)  # warm-up (numba compile or cache load, allocator)
+        for repeat in range(repeats):
+            order = (
+                (("native", native), ("fewbit", fewbit))
+                if repeat % 2 == 0
+                else (("fewbit", fewbit), ("native", native))
+            )
+            for key, module in order:
+                start = clock()
+                result = run(module, key)
+                times[f"{kind} {key}"].append(clock() - start)
+                del result
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def saved(module, n: int) -> int:
+    # a non-leaf input, as inside a network (runtime.memory leaves out leaf tensors, which are alive anyway)
+    x = torch.randn(n, requires_grad=True) * 1.0
+    with memory.saved_bytes() as m:
+        module(x)
+    return m.total
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--activations", default=DEFAULT_ACTIVATIONS, help="comma-separated names, or 'all'")
+    parser.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths")
+    parser.add_argument("--sizes", default="16,20,24", help="comma-separated log2 of the number of elements")
+    parser.add_argument("--repeats", type=int, default=0, help="timed repeats per measurement (0: by size)")
+    parser.add_argument("--threads", type=int, default=0, help="torch (and few-bit kernel) threads; 0: torch default")
+    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall time or process CPU time")
+    parser.add_argument("--out", default="benchmarks/results/runtime_speed.csv", help="CSV output path")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, one activation, 3 bits: a smoke test")
+    args = parser.parse_args(argv)
+
+    if args.quick:
+        args.activations, args.bits, args.sizes, args.repeats = "gelu", "3", "12,14", args.repeats or 3
+    names = (
+        activations.names()
+        if args.activations == "all"
+        else [activations.get(n).name for n in args.activations.split(",")]
+    )
+    bit_widths = [int(b) for b in args.bits.split(",")]
+    sizes = [2 ** int(s) for s in args.sizes.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    clock = CLOCKS[args.clock]
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, clock: {args.clock}, median of interleaved runs"
+    )
+
+    rows = []
+    for name in names:
+        for bits in bit_widths:
+            table, source = get_table(name, bits)
+            native, fewbit = modules(name, table)
+            for n in sizes:
+                repeats = args.repeats or (25 if n <= 2**16 else 11 if n <= 2**20 else 7)
+                medians = measure(native, fewbit, n, repeats, clock)
+                row = {"activation": name, "bits": bits, "numel": n, "table": source}
+                for kind in ("forward", "backward", "forward+backward"):
+                    row[f"{kind}_native_ms"] = 1e3 * medians[f"{kind} native"]
+                    row[f"{kind}_fewbit_ms"] = 1e3 * medians[f"{kind} fewbit"]
+                    row[f"{kind}_ratio"] = medians[f"{kind} fewbit"] / medians[f"{kind} native"]
+                row["saved_native_bytes"] = saved(native, n)
+                row["saved_fewbit_bytes"] = saved(fewbit, n)
+                row["saved_ratio"] = row["saved_fewbit_bytes"] / row["saved_native_bytes"]
+                rows.append(row)
+                parts = [f"{name:>10s} {bits}b 2^{n.bit_length() - 1:<2d} ({source}):"]
+                for kind, label in (("forward", "fwd"), ("backward", "bwd"), ("forward+backward", "fwd+bwd")):
+                    few, nat, ratio = row[f"{kind}_fewbit_ms"], row[f"{kind}_native_ms"], row[f"{kind}_ratio"]
+                    parts.append(f"{label} {few:8.2f} / {nat:8.2f} ms = {ratio:.2f}x")
+                parts.append(
+                    f"saved {row['saved_fewbit_bytes']} / {row['saved_native_bytes']} B = {row['saved_ratio']:.3f}x"
+                )
+                print("  ".join(parts), flush=True)
+
+    print("\nforward+backward time ratio few-bit / native (median):")
+    header = "activation bits " + " ".join(f"{'2^' + str(n.bit_length() - 1):>7s}" for n in sizes)
+    print(header)
+    for name in names:
+        for bits in bit_widths:
+            cells = [r["forward+backward_ratio"] for r in rows if r["activation"] == name and r["bits"] == bits]
+            print(f"{name:>10s} {bits:4d} " + " ".join(f"{c:7.2f}" for c in cells))
+
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with out.open("w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
+        writer.writeheader()
+        for row in rows:
+            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+    print(f"\nwrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
