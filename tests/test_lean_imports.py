@@ -1,0 +1,52 @@
+"""Import hygiene, checked in fresh interpreters: the design package loads no torch, the runtime loads no scipy,
+matplotlib, numba or triton until a CPU (numba) or CUDA (Triton) kernel actually runs."""
+
+import json
+import subprocess
+import sys
+
+HEAVY = ("scipy", "matplotlib", "numba", "triton")
+
+
+def loaded_after(code: str, env: dict | None = None) -> dict:
+    """Run ``code`` in a fresh interpreter; it must assign ``result``, which is returned (JSON)."""
+    script = f"import json, sys\n{code}\nprint(json.dumps(result))\n"
+    completed = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env, check=False
+    )
+    assert completed.returncode == 0, completed.stderr
+    return json.loads(completed.stdout.strip().splitlines()[-1])
+
+
+def test_design_package_does_not_import_torch():
+    result = loaded_after("import fewbit_design\nresult = sorted(m for m in ('torch',) if m in sys.modules)")
+    assert result == []
+
+
+def test_runtime_loads_no_scipy_matplotlib_numba_or_triton_until_a_cpu_kernel_runs():
+    code = """
+import fewbit_design.runtime
+heavy = ('scipy', 'matplotlib', 'numba', 'triton')
+after_import = [m for m in heavy if m in sys.modules]
+import torch
+from fewbit_design import runtime
+from fewbit_design.runtime import nn, functional, convert, tables, memory
+from fewbit_design.runtime.ops import fewbit, packing
+from fewbit_design.table import Table
+table = Table(activation='gelu', params={'approximate': 'none'}, bits=2, mode='levelsets', symmetric=False,
+              weight={'kind': 'uniform', 'low': -10.0, 'high': 10.0}, boundaries=[-1.0, 0.0, 1.0],
+              codes=[0, 1, 2, 3], levels=[0.0, 0.3, 0.7, 1.0], error=0.0, snr_db=None)
+model = torch.nn.Sequential(torch.nn.Linear(4, 4), nn.GELU(table=table))
+runtime.convert(model, filter={torch.nn.SiLU: table})
+after_modules = [m for m in heavy if m in sys.modules]
+with fewbit.use_backend('reference'):
+    x = torch.randn(3, 4, requires_grad=True)
+    model(x).sum().backward()
+    functional.gelu(x, table=table).sum().backward()
+after_reference = [m for m in heavy if m in sys.modules]
+model(x).sum().backward()  # the default CPU path: the numba kernel, loaded now
+result = {'import': after_import, 'modules': after_modules, 'reference': after_reference,
+          'cpu kernel': 'numba' in sys.modules}
+"""
+    result = loaded_after(code)
+    assert result == {"import": [], "modules": [], "reference": [], "cpu kernel": True}
