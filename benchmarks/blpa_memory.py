@@ -3,7 +3,8 @@
 For each depth and mode (exact fused baseline, 8-bit, 4-bit) it measures the bytes saved for backward per sample
 with ``fewbit_design.runtime.memory.saved_bytes`` (32x32 inputs, a small batch, training mode), the implied
 maximum batch size under a memory budget (activation bytes only: budget / saved bytes per sample), and the
-forward+backward wall time per sample (median of repeats) as a ratio against exact measured in the same run.
+forward+backward CPU time per sample (process time, median of interleaved repeats, 1 thread by default) as a
+ratio against exact measured in the same run.
 Prints a table and writes a CSV.
 
     python benchmarks/blpa_memory.py                     # depths 164, 254, 488, 1001
@@ -26,8 +27,8 @@ from fewbit_design.runtime import blpa, memory
 MODES = {"exact": None, "8-bit": 8, "4-bit": 4}
 
 
-def measure(depth: int, bits, *, batch: int, repeats: int, width: int = 1, seed: int = 0) -> dict:
-    """Saved bytes per sample and median forward+backward seconds per sample for one configuration."""
+def build(depth: int, bits, *, batch: int, width: int = 1, seed: int = 0):
+    """A seeded model and batch; returns (model, x, target, saved bytes per sample)."""
     torch.manual_seed(seed)
     model = blpa.preact_resnet(depth, bits=bits, width=width)
     model.train()
@@ -36,20 +37,17 @@ def measure(depth: int, bits, *, batch: int, repeats: int, width: int = 1, seed:
     target = torch.randint(0, 10, (batch,), generator=generator)
     with memory.saved_bytes(model) as saved:
         loss = torch.nn.functional.cross_entropy(model(x), target)
-    loss.backward()  # also the warm-up for the timing below
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
-        loss = torch.nn.functional.cross_entropy(model(x), target)
-        loss.backward()
-        times.append(time.perf_counter() - start)
-    parameters = sum(p.numel() for p in model.parameters())
-    return {
-        "saved_bytes_per_sample": saved.total / batch,
-        "seconds_per_sample": statistics.median(times) / batch if times else float("nan"),
-        "parameters": parameters,
-    }
+    loss.backward()  # also the warm-up for the timing
+    return model, x, target, saved.total / batch
+
+
+def step_seconds(model, x, target) -> float:
+    """CPU seconds of this process for one forward+backward (robust to other processes on a busy machine)."""
+    model.zero_grad(set_to_none=True)
+    start = time.process_time()
+    loss = torch.nn.functional.cross_entropy(model(x), target)
+    loss.backward()
+    return time.process_time() - start
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -61,12 +59,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-gib", type=float, default=11.0, help="memory budget (default 11: a 1080Ti)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
     parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "blpa_memory.csv")
+    parser.add_argument("--backend", default="auto", help="element-wise BLPA work: auto, torch or numba")
     parser.add_argument("--quick", action="store_true", help="depth 164 only, one timed repeat")
     args = parser.parse_args(argv)
     depths = [164] if args.quick else [int(d) for d in args.depths.split(",") if d.strip()]
     repeats = 1 if args.quick else args.repeats
     if args.threads:
         torch.set_num_threads(args.threads)
+    blpa.set_backend(args.backend)
     args.csv.parent.mkdir(parents=True, exist_ok=True)
     for depth in depths:  # validate before any long work
         if depth < 11 or (depth - 2) % 9:
@@ -75,22 +75,28 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     for depth in depths:
-        exact = None
-        for mode, bits in MODES.items():
-            result = measure(depth, bits, batch=args.batch, repeats=repeats, width=args.width)
-            if mode == "exact":
-                exact = result
+        built = {mode: build(depth, bits, batch=args.batch, width=args.width) for mode, bits in MODES.items()}
+        times = {mode: [] for mode in MODES}
+        for _ in range(repeats):  # interleaved, so slow drifts of the machine hit every mode alike
+            for mode in MODES:
+                times[mode].append(step_seconds(*built[mode][:3]))
+        exact_bytes = built["exact"][3]
+        exact_seconds = statistics.median(times["exact"]) / args.batch
+        for mode in MODES:
+            per_sample = built[mode][3]
+            seconds = statistics.median(times[mode]) / args.batch
             row = {
                 "depth": depth,
                 "width": args.width,
                 "mode": mode,
-                "saved_mib_per_sample": result["saved_bytes_per_sample"] / 2**20,
-                "memory_ratio_vs_exact": result["saved_bytes_per_sample"] / exact["saved_bytes_per_sample"],
-                "max_batch": int(budget // result["saved_bytes_per_sample"]),
-                "ms_per_sample": 1000 * result["seconds_per_sample"],
-                "time_ratio_vs_exact": result["seconds_per_sample"] / exact["seconds_per_sample"],
+                "saved_mib_per_sample": per_sample / 2**20,
+                "memory_ratio_vs_exact": per_sample / exact_bytes,
+                "max_batch": int(budget // per_sample),
+                "ms_per_sample": 1000 * seconds,
+                "time_ratio_vs_exact": seconds / exact_seconds,
                 "batch": args.batch,
                 "threads": torch.get_num_threads(),
+                "backend": blpa.quant.get_backend(),
             }
             rows.append(row)
             print(
@@ -99,12 +105,16 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.budget_gib:g} GiB, {row['ms_per_sample']:8.1f} ms/sample ({row['time_ratio_vs_exact']:.2f}x)",
                 flush=True,
             )
+        del built
     with args.csv.open("w", newline="") as handle:
         writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
 
-    print(f"\nTable 2 shape (activation bytes saved for backward; budget {args.budget_gib:g} GiB; CPU times):")
+    print(
+        f"\nTable 2 shape (bytes saved for backward; budget {args.budget_gib:g} GiB; "
+        f"CPU ms/sample, backend {args.backend}):"
+    )
     header = "| | " + " | ".join(str(d) for d in depths) + " |"
     print(header)
     print("|---" * (len(depths) + 1) + "|")

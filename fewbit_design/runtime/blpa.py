@@ -51,7 +51,11 @@ __all__ = [
     "PreActResNet",
     "preact_resnet",
     "convert",
+    "set_backend",
+    "unit_backward",
 ]
+
+set_backend = quant.set_backend
 
 MIN_BITS = 2
 MAX_BITS = 8
@@ -154,34 +158,49 @@ def unit_backward(
     input_shape: torch.Size,
     has_bias: bool,
     needs: tuple[bool, bool, bool, bool, bool] = (True, True, True, True, True),
+    *,
+    reference: bool = False,
 ) -> UnitGrads:
     """The backward of a fused unit (eqs. 5-8) from what its forward saved.
 
     ``saved`` is ``(A1 or packed codes, invstd, gamma, beta, weight)`` as saved by the unit's forward (available as
     ``output.grad_fn.saved_tensors``); ``needs`` says which of (input, gamma, beta, weight, bias) need gradients.
-    Exposed for tests and experiments; modules call it through autograd.
+    ``reference=True`` runs the pure-torch reference, which also returns the gradient to A2 (``relu_input``);
+    otherwise the numba kernels run where they apply (see :func:`set_backend`). Exposed for tests and experiments;
+    modules call it through autograd.
     """
     stored, invstd, gamma, beta, weight = saved
     need_x, need_gamma, need_beta, need_w, need_b = needs
+    need_a2 = need_x or need_gamma or need_beta
     dtype = invstd.dtype
     ndim = len(input_shape)
-    if spec.bits is None:
-        a1 = stored
-        a2 = torch.addcmul(
-            _per_channel(beta.detach().to(dtype), ndim), a1, _per_channel(gamma.detach().to(dtype), ndim)
+    bits = spec.bits
+    if not reference and quant.use_kernels(invstd):
+        state = quant.decoder(stored, input_shape, gamma, beta, bits, dtype)
+        a3 = quant.decode_a3_kernel(state, input_shape, dtype)
+        grad_a3, grad_w, grad_b = _op_backward(
+            grad_out, a3.to(grad_out.dtype), weight, has_bias, spec, (need_a2, need_w, need_b)
         )
+        del a3
+        grads = UnitGrads(None, None, None, grad_w, grad_b, None)
+        if need_a2:
+            grad_beta, grad_gamma, grad_x = quant.backward_kernel(state, grad_a3, gamma, invstd, need_x)
+            grads.beta = grad_beta.to(beta.dtype) if need_beta else None
+            grads.gamma = grad_gamma.to(gamma.dtype) if need_gamma else None
+            grads.input = grad_x
+        return grads
+    g = _per_channel(gamma.detach().to(dtype), ndim)
+    if bits is None:
+        a1 = stored
+        a2 = a1 * g + _per_channel(beta.detach().to(dtype), ndim)
         mask = a2 > 0
         a3 = torch.relu(a2)
         del a2
     else:
-        numel = 1
-        for size in input_shape:
-            numel *= int(size)
-        codes = quant.unpack_codes(stored, spec.bits, numel).view(input_shape)
-        grid = quant.channel_grid(gamma, beta, spec.bits, dtype)
-        mask, a1, a3 = quant.dequantize(codes, grid, gamma, beta)
+        codes = quant.unpack_codes(stored, bits, input_shape.numel()).view(input_shape)
+        mask, a1, a3 = quant.dequantize(codes, quant.channel_grid(gamma, beta, bits), gamma, beta)
+        a1, a3 = a1.to(dtype), a3.to(dtype)
         del codes
-    need_a2 = need_x or need_gamma or need_beta
     grad_a3, grad_w, grad_b = _op_backward(
         grad_out, a3.to(grad_out.dtype), weight, has_bias, spec, (need_a2, need_w, need_b)
     )
@@ -199,14 +218,30 @@ def unit_backward(
     if need_gamma:
         grads.gamma = (a1 * grad_a2).sum(dims).to(gamma.dtype)
     if need_x:
-        grad_a1 = grad_a2 * _per_channel(gamma.detach().to(dtype), ndim)
+        grad_a1 = grad_a2 * g
         # eq. (8): A1~ only in the variance term
         mean_grad = grad_a1.mean(dims, keepdim=True)
         mean_proj = (a1 * grad_a1).mean(dims, keepdim=True)
-        grad_x = grad_a1.sub_(mean_grad).sub_(a1 * mean_proj).mul_(_per_channel(invstd, ndim))
-        grads.input = grad_x
+        grads.input = grad_a1.sub_(mean_grad).sub_(a1 * mean_proj).mul_(_per_channel(invstd, ndim))
     grads.relu_input = grad_a2
     return grads
+
+
+def _forward_reference(x, mean, invstd, gamma, beta, spec: _Spec) -> tuple[torch.Tensor, torch.Tensor]:
+    dtype = invstd.dtype
+    ndim = x.dim()
+    a1 = (x.to(dtype) - _per_channel(mean, ndim)) * _per_channel(invstd, ndim)
+    a2 = a1 * _per_channel(gamma.to(dtype), ndim) + _per_channel(beta.to(dtype), ndim)
+    if spec.bits is None:
+        return torch.relu(a2), a1
+    grid = quant.channel_grid(gamma, beta, spec.bits)
+    codes = quant.quantize(a1, a2, grid)
+    del a1
+    if spec.naive:
+        a3 = quant.dequantize(codes, grid, gamma, beta)[2].to(dtype)
+    else:
+        a3 = torch.relu(a2)
+    return a3, quant.pack_codes(codes, spec.bits)
 
 
 class _BNReLUFunction(torch.autograd.Function):
@@ -214,25 +249,12 @@ class _BNReLUFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, mean, invstd, gamma, beta, weight, bias, spec: _Spec):
-        dtype = invstd.dtype
-        ndim = x.dim()
-        a1 = (x.to(dtype) - _per_channel(mean, ndim)).mul_(_per_channel(invstd, ndim))
-        a2 = torch.addcmul(_per_channel(beta.to(dtype), ndim), a1, _per_channel(gamma.to(dtype), ndim))
-        if spec.bits is None:
-            stored = a1
-            a3 = torch.relu(a2)
+        if quant.use_kernels(x):
+            a3, stored = quant.forward_kernel(x, mean, invstd, gamma, beta, spec.bits, spec.naive)
         else:
-            grid = quant.channel_grid(gamma, beta, spec.bits, dtype)
-            codes = quant.quantize(a1, a2, grid)
-            if spec.naive:
-                a3 = quant.dequantize(codes, grid, gamma, beta)[2]
-            else:
-                a3 = torch.relu(a2)
-            del a1
-            stored = quant.pack_codes(codes, spec.bits)
-            del codes
-        del a2
+            a3, stored = _forward_reference(x, mean, invstd, gamma, beta, spec)
         out = _op_forward(a3.to(x.dtype), weight, bias, spec)
+        del a3
         ctx.save_for_backward(stored, invstd, gamma, beta, weight)
         ctx.spec = spec
         ctx.input_shape = x.shape

@@ -1,15 +1,20 @@
 """numba CPU kernels of the BLPA unit (imported lazily: importing this module loads numba).
 
-They fuse the element-wise work of :mod:`.blpa_quant` into one pass per step and match its torch reference: the
-same operations in the same dtypes (A1, A2, A3 in the compute dtype, bin arithmetic in float64), so codes and the
-forward output agree bitwise; decoding reads per-channel tables (A1~ and A3~ of every code, built from the
-reference formula), so gradients agree up to summation order.
+They fuse the element-wise work of :mod:`.blpa_quant` and match its torch reference: the same operations in the
+same dtypes (A1, A2, A3 in the compute dtype, bin arithmetic in float64), so codes and the forward output agree
+bitwise; decoding reads per-channel tables (A1~ and A3~ of every code, built from the reference formula), so
+gradients agree up to summation order.
 
 Arrays are flat and contiguous, laid out as (N, C, inner) with ``inner`` = H * W (1 for Linear): plane
 ``q = n * C + c`` holds elements ``[q * inner, (q + 1) * inner)`` of channel ``c``. Every kernel is serial
 (``nogil``) over a range of planes ``[plane_start, plane_stop)``; the caller splits planes over threads at plane
-indices that are multiples of 8, so every range starts a packing group. ``mode`` selects what a unit stores:
-0 = exact (A1 in the compute dtype), 1 = packed codes (8 codes in ``bits`` bytes, little-endian).
+indices that are multiples of 8, so every range starts a packing group and threads share no byte. ``mode`` selects
+what a unit stores: 0 = exact (A1 in the compute dtype), 1 = packed codes. Packed codes form one little-endian bit
+stream (8 codes in ``bits`` bytes): code i sits at bits [i * bits, (i + 1) * bits).
+
+Inner loops are branch-free selects over one plane (the per-channel constants hoisted), with codes going through a
+uint8 scratch array and packed or unpacked in a separate tight loop, which keeps them vectorizable; calling a
+helper ``njit`` function per element was 40x slower here.
 """
 
 from __future__ import annotations
@@ -17,26 +22,54 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["forward", "decode_a3", "reduce_grads", "grad_input"]
-
-
-@numba.njit(cache=True, inline="always")
-def _code_at(packed, i, bits):
-    # groups of 8 codes in ``bits`` little-endian bytes make one bit stream: element i sits at bit i * bits
-    bit = i * bits
-    byte = bit >> 3
-    shift = bit & 7
-    value = np.int64(packed[byte]) >> shift
-    if shift + bits > 8:
-        value |= np.int64(packed[byte + 1]) << (8 - shift)
-    return value & ((1 << bits) - 1)
+__all__ = ["forward", "unpack", "decode_a3", "reduce_grads", "grad_input"]
 
 
 @numba.njit(cache=True, nogil=True)
-def forward(x, mean, invstd, gamma, beta, channels, inner, mode, naive, bits, scale, f, p, lut_a3, a3, packed,
-            stored, plane_start, plane_stop):  # fmt: skip
+def _pack(codes, bits, packed, start, stop):
+    # codes[start:stop] (start a multiple of 8) into the bit stream
+    if bits == 8:
+        for i in range(start, stop):
+            packed[i] = codes[i]
+    elif bits == 4:
+        for j in range(start >> 1, (stop + 1) >> 1):
+            high = codes[2 * j + 1] if 2 * j + 1 < stop else 0
+            packed[j] = codes[2 * j] | (high << 4)
+    else:
+        for i in range(start, stop):
+            bit = i * bits
+            byte = bit >> 3
+            value = np.int64(codes[i]) << (bit & 7)
+            packed[byte] |= np.uint8(value & 0xFF)
+            if value > 0xFF:
+                packed[byte + 1] |= np.uint8(value >> 8)
+
+
+@numba.njit(cache=True, nogil=True)
+def _unpack(packed, bits, codes, start, stop):
+    mask = (1 << bits) - 1
+    if bits == 8:
+        for i in range(start, stop):
+            codes[i] = packed[i]
+    elif bits == 4:
+        for i in range(start, stop):
+            codes[i] = (packed[i >> 1] >> ((i & 1) << 2)) & 15
+    else:
+        for i in range(start, stop):
+            bit = i * bits
+            byte = bit >> 3
+            shift = bit & 7
+            value = np.int64(packed[byte]) >> shift
+            if shift + bits > 8:
+                value |= np.int64(packed[byte + 1]) << (8 - shift)
+            codes[i] = value & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def forward(x, mean, invstd, gamma, beta, channels, inner, mode, naive, bits, scale, f, p, lut_a3, a3, codes,
+            packed, stored, plane_start, plane_stop):  # fmt: skip
     """A1 = (x - mean) invstd, A2 = A1 gamma + beta, A3 = relu(A2) (relu(A2~) when naive) into ``a3``; the codes
-    OR-ed into the zeroed ``packed`` (mode 1) or A1 into ``stored`` (mode 0)."""
+    (via the uint8 scratch ``codes``) into the zeroed ``packed`` (mode 1), or A1 into ``stored`` (mode 0)."""
     half = np.float64((1 << bits) >> 1)
     top = np.float64((1 << bits) - 1)
     for plane in range(plane_start, plane_stop):
@@ -61,31 +94,30 @@ def forward(x, mean, invstd, gamma, beta, channels, inner, mode, naive, bits, sc
         for i in range(base, base + inner):
             a1 = (x[i] - m) * s
             a2 = a1 * g + b
-            raw = np.float64(a1) * sc - ff
-            if raw != raw:  # NaN input: code 0, as the reference
-                k = 0
-            else:
-                code = np.ceil(raw) + half
-                if a2 > 0:
-                    code = min(max(code, low_positive), top)
-                else:
-                    code = min(max(code, 0.0), high_negative)
-                k = np.int64(code)
-            if naive:
-                a3[i] = lut_a3[c, k]
-            else:
-                a3[i] = zero if a2 <= 0 else a2
-            # ``packed`` starts zeroed; ranges start at multiples of 8 elements, so threads share no byte
-            bit = i * bits
-            byte = bit >> 3
-            value = k << (bit & 7)
-            packed[byte] |= np.uint8(value & 0xFF)
-            if value > 0xFF:
-                packed[byte + 1] |= np.uint8(value >> 8)
+            code = np.ceil(np.float64(a1) * sc - ff) + half
+            positive = a2 > 0
+            low = low_positive if positive else 0.0
+            high = top if positive else high_negative
+            code = code if code > low else low
+            code = code if code < high else high
+            code = code if code == code else 0.0  # NaN input: code 0, as the reference
+            codes[i] = np.uint8(code)
+            a3[i] = zero if a2 <= 0 else a2
+        if naive:
+            for i in range(base, base + inner):
+                a3[i] = lut_a3[c, codes[i]]
+    if mode == 1:
+        _pack(codes, bits, packed, plane_start * inner, plane_stop * inner)
 
 
 @numba.njit(cache=True, nogil=True)
-def decode_a3(packed, stored, gamma, beta, channels, inner, mode, bits, lut_a3, a3, plane_start, plane_stop):
+def unpack(packed, bits, inner, codes, plane_start, plane_stop):
+    """Codes of planes [plane_start, plane_stop) from the bit stream into uint8 ``codes``."""
+    _unpack(packed, bits, codes, plane_start * inner, plane_stop * inner)
+
+
+@numba.njit(cache=True, nogil=True)
+def decode_a3(codes, stored, gamma, beta, channels, inner, mode, lut_a3, a3, plane_start, plane_stop):
     """A3~ = mask * max(gamma A1~ + beta, 0) into ``a3`` (compute dtype)."""
     for plane in range(plane_start, plane_stop):
         c = plane % channels
@@ -99,11 +131,11 @@ def decode_a3(packed, stored, gamma, beta, channels, inner, mode, bits, lut_a3, 
                 a3[i] = zero if a2 <= 0 else a2
         else:
             for i in range(base, base + inner):
-                a3[i] = lut_a3[c, _code_at(packed, i, bits)]
+                a3[i] = lut_a3[c, codes[i]]
 
 
 @numba.njit(cache=True, nogil=True)
-def reduce_grads(packed, stored, grad, gamma, beta, channels, inner, mode, bits, p, lut_a1, sum_beta, sum_gamma,
+def reduce_grads(codes, stored, grad, gamma, beta, channels, inner, mode, p, lut_a1, sum_beta, sum_gamma,
                  plane_start, plane_stop):  # fmt: skip
     """Per plane: the sums of grad_A2 = mask * grad_A3 and of A1~ * grad_A2 (float64), eq. (7)."""
     for plane in range(plane_start, plane_stop):
@@ -116,25 +148,23 @@ def reduce_grads(packed, stored, grad, gamma, beta, channels, inner, mode, bits,
             b = beta[c]
             for i in range(base, base + inner):
                 a1 = stored[i]
-                if a1 * g + b > 0:
-                    value = np.float64(grad[i])
-                    total_beta += value
-                    total_gamma += np.float64(a1) * value
+                value = np.float64(grad[i]) if a1 * g + b > 0 else 0.0
+                total_beta += value
+                total_gamma += np.float64(a1) * value
         else:
             first = p[c]
             for i in range(base, base + inner):
-                k = _code_at(packed, i, bits)
-                if k >= first:
-                    value = np.float64(grad[i])
-                    total_beta += value
-                    total_gamma += np.float64(lut_a1[c, k]) * value
+                k = codes[i]
+                value = np.float64(grad[i]) if k >= first else 0.0
+                total_beta += value
+                total_gamma += np.float64(lut_a1[c, k]) * value
         sum_beta[plane] = total_beta
         sum_gamma[plane] = total_gamma
 
 
 @numba.njit(cache=True, nogil=True)
-def grad_input(packed, stored, grad, gamma, beta, invstd, mean_grad, mean_proj, channels, inner, mode, bits, p,
-               lut_a1, grad_x, plane_start, plane_stop):  # fmt: skip
+def grad_input(codes, stored, grad, gamma, beta, invstd, mean_grad, mean_proj, channels, inner, mode, p, lut_a1,
+               grad_x, plane_start, plane_stop):  # fmt: skip
     """eq. (8): grad_x = invstd * (gamma grad_A2 - mean(grad_A1) - A1~ mean(A1~ grad_A1)), in float64."""
     for plane in range(plane_start, plane_stop):
         c = plane % channels
@@ -144,14 +174,15 @@ def grad_input(packed, stored, grad, gamma, beta, invstd, mean_grad, mean_proj, 
         s = np.float64(invstd[c])
         shift = mean_grad[c]
         proj = mean_proj[c]
-        first = p[c]
-        for i in range(base, base + inner):
-            if mode == 0:
-                a1 = np.float64(stored[i])
-                positive = stored[i] * gamma[c] + b > 0
-            else:
-                k = _code_at(packed, i, bits)
-                a1 = np.float64(lut_a1[c, k])
-                positive = k >= first
-            value = np.float64(grad[i]) * g if positive else 0.0
-            grad_x[i] = (value - shift - a1 * proj) * s
+        if mode == 0:
+            gc = gamma[c]
+            for i in range(base, base + inner):
+                a1 = stored[i]
+                value = np.float64(grad[i]) * g if a1 * gc + b > 0 else 0.0
+                grad_x[i] = (value - shift - np.float64(a1) * proj) * s
+        else:
+            first = p[c]
+            for i in range(base, base + inner):
+                k = codes[i]
+                value = np.float64(grad[i]) * g if k >= first else 0.0
+                grad_x[i] = (value - shift - np.float64(lut_a1[c, k]) * proj) * s

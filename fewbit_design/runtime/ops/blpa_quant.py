@@ -330,11 +330,12 @@ def forward_kernel(
         packed = torch.zeros(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
         stored = packed
         store_array = np.zeros(0, dtype=numpy_dtype)
+    scratch = np.empty(x.numel() if bits is not None else 0, dtype=np.uint8)
     _run_planes(
         kernels.forward, planes, inner,
         _numpy(x, dtype), _numpy(mean, dtype), _numpy(invstd, dtype), _numpy(gamma, dtype), _numpy(beta, dtype),
-        channels, inner, mode, bool(naive), bits or 8, scale, f, p, lut_a3, a3.view(-1).numpy(), packed.numpy(),
-        store_array,
+        channels, inner, mode, bool(naive), bits or 8, scale, f, p, lut_a3, a3.view(-1).numpy(), scratch,
+        packed.numpy(), store_array,
     )  # fmt: skip
     return a3, stored
 
@@ -342,30 +343,36 @@ def forward_kernel(
 class _Decoder:
     """What the backward kernels need to decode a unit's stored activations (built once per backward)."""
 
-    def __init__(self, stored: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype: torch.dtype):
+    def __init__(
+        self, stored: torch.Tensor, shape: torch.Size, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype
+    ) -> None:
+        from . import _blpa_numba as kernels
+
         numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
-        channels = gamma.numel()
-        self.bits = bits or 8
+        channels, planes, inner = _layout(shape)
         self.gamma = _numpy(gamma, dtype)
         self.beta = _numpy(beta, dtype)
         if bits is None:
             self.mode = 0
-            self.packed = np.zeros(0, dtype=np.uint8)
+            self.codes = np.zeros(0, dtype=np.uint8)
             self.values = stored.contiguous().view(-1).numpy()
             self.p = np.zeros(channels, dtype=np.float64)
             self.lut_a1 = self.lut_a3 = np.zeros((channels, 1), dtype=numpy_dtype)
         else:
             self.mode = 1
-            self.packed = stored.numpy()
+            self.codes = np.empty(shape.numel(), dtype=np.uint8)  # unpacked once, for the three passes
+            _run_planes(kernels.unpack, planes, inner, stored.numpy(), bits, inner, self.codes)
             self.values = np.zeros(0, dtype=numpy_dtype)
             grid = ChannelGrid(gamma, beta, bits)
             self.p = grid.numpy["p"]
             self.lut_a1, self.lut_a3 = grid.lookup_tables(gamma, beta, dtype)
 
 
-def decoder(stored: torch.Tensor, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype: torch.dtype) -> _Decoder:
-    """Per-backward decoding state for :func:`decode_a3_kernel` and :func:`backward_kernel`."""
-    return _Decoder(stored, gamma, beta, bits, dtype)
+def decoder(
+    stored: torch.Tensor, shape: torch.Size, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype: torch.dtype
+) -> _Decoder:
+    """Per-backward decoding state (codes unpacked to uint8, per-channel tables) for the backward kernels."""
+    return _Decoder(stored, shape, gamma, beta, bits, dtype)
 
 
 def decode_a3_kernel(state: _Decoder, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
@@ -376,7 +383,7 @@ def decode_a3_kernel(state: _Decoder, shape: torch.Size, dtype: torch.dtype) -> 
     a3 = torch.empty(shape, dtype=dtype)
     _run_planes(
         kernels.decode_a3, planes, inner,
-        state.packed, state.values, state.gamma, state.beta, channels, inner, state.mode, state.bits, state.lut_a3,
+        state.codes, state.values, state.gamma, state.beta, channels, inner, state.mode, state.lut_a3,
         a3.view(-1).numpy(),
     )  # fmt: skip
     return a3
@@ -396,7 +403,7 @@ def backward_kernel(
     sum_gamma = torch.empty(planes, dtype=torch.float64)
     _run_planes(
         kernels.reduce_grads, planes, inner,
-        state.packed, state.values, grad, state.gamma, state.beta, channels, inner, state.mode, state.bits, state.p,
+        state.codes, state.values, grad, state.gamma, state.beta, channels, inner, state.mode, state.p,
         state.lut_a1, sum_beta.numpy(), sum_gamma.numpy(),
     )  # fmt: skip
     grad_beta = sum_beta.view(-1, channels).sum(0)
@@ -410,7 +417,7 @@ def backward_kernel(
         grad_x = torch.empty(shape, dtype=dtype)
         _run_planes(
             kernels.grad_input, planes, inner,
-            state.packed, state.values, grad, state.gamma, state.beta, _numpy(invstd, dtype), mean_grad, mean_proj,
-            channels, inner, state.mode, state.bits, state.p, state.lut_a1, grad_x.view(-1).numpy(),
+            state.codes, state.values, grad, state.gamma, state.beta, _numpy(invstd, dtype), mean_grad, mean_proj,
+            channels, inner, state.mode, state.p, state.lut_a1, grad_x.view(-1).numpy(),
         )  # fmt: skip
     return grad_beta, grad_gamma, grad_x

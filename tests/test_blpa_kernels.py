@@ -1,0 +1,73 @@
+"""BLPA numba kernels against the pure-torch reference: codes and forward outputs bitwise, gradients to rounding."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from fewbit_design.errors import FewBitError
+from fewbit_design.runtime import blpa
+from fewbit_design.runtime.ops import blpa_quant as quant
+
+pytest.importorskip("numba")
+
+
+@contextlib.contextmanager
+def _backend(name):
+    previous = quant.get_backend()
+    blpa.set_backend(name)
+    try:
+        yield
+    finally:
+        blpa.set_backend(previous)
+
+
+def _run(unit, x, grad_out, backend):
+    unit.zero_grad()
+    x = x.detach().clone().requires_grad_()
+    with _backend(backend):
+        out = unit(x)
+        stored = out.grad_fn.saved_tensors[0].clone()
+        out.backward(grad_out)
+    grads = {"input": x.grad, "gamma": unit.bn.weight.grad, "beta": unit.bn.bias.grad, "weight": unit.op.weight.grad}
+    return out.detach(), stored, grads
+
+
+CASES = [  # (kind, input shape): odd spatial sizes so packing groups straddle planes; Linear has inner = 1
+    ("conv", (3, 5, 7, 5)),
+    ("linear", (13, 5)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits,naive", [(None, False), (2, False), (3, False), (4, False), (8, False), (4, True)])
+@pytest.mark.parametrize("kind,shape", CASES)
+def test_kernels_match_reference(kind, shape, bits, naive, dtype):
+    generator = torch.Generator().manual_seed(0)
+    if kind == "conv":
+        unit = blpa.BNReLUConv2d(5, 4, 3, padding=1, bits=bits, naive=naive).to(dtype)
+    else:
+        unit = blpa.BNReLULinear(5, 4, bits=bits, naive=naive).to(dtype)
+    with torch.no_grad():  # far beta (catch-all codes), negative and zero gamma, an exact zero of A2
+        unit.bn.weight.copy_(torch.tensor([1.0, -0.5, 0.0, 2.0, 0.3], dtype=dtype))
+        unit.bn.bias.copy_(torch.tensor([0.2, 0.1, 0.5, -7.0, 4.0], dtype=dtype))
+    x = torch.randn(shape, dtype=dtype, generator=generator) * 2 + 1
+    x[0, 1] = 0.0  # constant patch
+    with torch.no_grad():
+        grad_out = torch.randn(unit(x).shape, dtype=dtype, generator=generator)
+    out_ref, stored_ref, grads_ref = _run(unit, x, grad_out, "torch")
+    out_k, stored_k, grads_k = _run(unit, x, grad_out, "numba")
+    assert torch.equal(out_k, out_ref)
+    assert torch.equal(stored_k, stored_ref)
+    tolerance = {torch.float32: 2e-5, torch.float64: 1e-12}[dtype]
+    for name, value in grads_ref.items():
+        torch.testing.assert_close(grads_k[name], value, rtol=tolerance, atol=tolerance, msg=name)
+
+
+def test_backend_choice_is_checked():
+    with pytest.raises(FewBitError, match="backend must be 'auto', 'torch' or 'numba', got 'cuda'"):
+        blpa.set_backend("cuda")
+    with _backend("numba"), pytest.raises(FewBitError, match="backend 'numba' needs"):
+        blpa.BNReLULinear(4, 2).to(torch.float16)(torch.randn(3, 4, dtype=torch.float16))
