@@ -307,6 +307,42 @@ def test_coupling_inverse_and_odd_split():
         block(torch.randn(5, 7, dtype=torch.float64))
 
 
+def test_coupling_branch_scale_formula_inverse_and_gradients():
+    torch.manual_seed(0)
+    block = R.AdditiveCoupling(nn.Sequential(nn.Linear(3, 3), nn.Tanh()), nn.Linear(3, 3), split_dim=-1, scale=0.3)
+    block = block.double()
+    x = torch.randn(5, 6, dtype=torch.float64, requires_grad=True)
+    # oracle: the formula written out with plain autograd
+    x1, x2 = x[:, :3], x[:, 3:]
+    y1 = x1 + 0.3 * block.f(x2)
+    want_y = torch.cat([y1, x2 + 0.3 * block.g(y1)], dim=-1)
+    assert torch.equal(block(x), want_y)
+    assert torch.allclose(block.inverse(block(x)), x, rtol=0, atol=1e-14)
+    assert "scale=0.3" in repr(block)
+    grad_output = torch.randn(5, 6, dtype=torch.float64)
+    inputs = [x, *block.parameters()]
+    got = torch.autograd.grad(R.ReversibleSequence(block)(x), inputs, grad_output)
+    want = torch.autograd.grad(want_y, inputs, grad_output)
+    assert relative_error(list(got), list(want)) < 1e-12
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(FewBitError, match="AdditiveCoupling scale must be"):
+            R.AdditiveCoupling(nn.Identity(), nn.Identity(), scale=bad)
+
+
+@pytest.mark.parametrize("arch", ["revnet", "hybrid"])
+def test_branch_scale_defaults_to_one_over_depth(arch):
+    def scales(model):
+        return [m.scale for m in model.body.blocks if isinstance(m, R.AdditiveCoupling)]
+
+    model = small_net(arch, depth=4)
+    assert scales(model) == [0.25] * 4
+    assert all(m.scale == 1.0 for m in model.modules() if isinstance(m, R.InvertibleConv2d))  # inner layers alone
+    assert scales(small_net(arch, depth=4, branch_scale=1.0)) == [1.0] * 4
+    assert scales(small_net(arch, depth=2, branch_scale=0.5)) == [0.5] * 2
+    with pytest.raises(FewBitError, match=r"(revnet|hybrid_net) branch_scale must be > 0, got 0"):
+        small_net(arch, depth=2, branch_scale=0)
+
+
 def test_invertible_batchnorm_applies_the_floor_and_inverts_with_its_own_statistics():
     torch.manual_seed(0)
     bn = R.InvertibleBatchNorm2d(3, gamma_floor=0.25).double()
