@@ -22,7 +22,7 @@ from __future__ import annotations
 import numba
 import numpy as np
 
-__all__ = ["forward", "unpack", "decode_a3", "reduce_grads", "grad_input"]
+__all__ = ["tables", "forward", "unpack", "decode_a3", "reduce_grads", "grad_input"]
 
 
 @numba.njit(cache=True, nogil=True)
@@ -63,6 +63,31 @@ def _unpack(packed, bits, codes, start, stop):
             if shift + bits > 8:
                 value |= np.int64(packed[byte + 1]) << (8 - shift)
             codes[i] = value & mask
+
+
+@numba.njit(cache=True, nogil=True)
+def tables(p, z, step, offset, r, gamma, beta, lut_a1, lut_a3, a1_table, mask_table):
+    """Per channel and code: A1~ and A3~ in the compute dtype (``lut_a1``, ``lut_a3``), A1~ as float64
+    (``a1_table``, after rounding to the compute dtype) and the mask (``mask_table``, 0 or 1); the formula of
+    :func:`fewbit_design.runtime.ops.blpa_quant.dequantize`, float64 arithmetic."""
+    channels, levels = lut_a1.shape
+    for c in range(channels):
+        for k in range(levels):
+            code = np.float64(k)
+            positive = code >= p[c]
+            regular = code >= z[c] if positive else code < z[c]
+            if regular:
+                a1 = (code + offset[c]) * step[c]
+            else:
+                a1 = ((0.5 if positive else -0.5) - r[c]) * step[c]
+            a3 = 0.0
+            if positive:
+                a2 = a1 * gamma[c] + beta[c]
+                a3 = a2 if a2 > 0.0 else 0.0
+            lut_a1[c, k] = a1
+            lut_a3[c, k] = a3
+            a1_table[c, k] = lut_a1[c, k]
+            mask_table[c, k] = 1.0 if positive else 0.0
 
 
 @numba.njit(cache=True, nogil=True)
@@ -134,10 +159,11 @@ def decode_a3(codes, stored, gamma, beta, channels, inner, mode, lut_a3, a3, pla
                 a3[i] = lut_a3[c, codes[i]]
 
 
-@numba.njit(cache=True, nogil=True)
-def reduce_grads(codes, stored, grad, gamma, beta, channels, inner, mode, p, lut_a1, sum_beta, sum_gamma,
+@numba.njit(cache=True, nogil=True, fastmath={"reassoc"})
+def reduce_grads(codes, stored, grad, gamma, beta, channels, inner, mode, mask_table, a1_table, sum_beta, sum_gamma,
                  plane_start, plane_stop):  # fmt: skip
-    """Per plane: the sums of grad_A2 = mask * grad_A3 and of A1~ * grad_A2 (float64), eq. (7)."""
+    """Per plane: the sums of grad_A2 = mask * grad_A3 and of A1~ * grad_A2 (float64, reassociated so the loop
+    vectorizes), eq. (7). Mode 1 reads per-channel tables of the mask and of A1~ per code."""
     for plane in range(plane_start, plane_stop):
         c = plane % channels
         base = plane * inner
@@ -152,37 +178,35 @@ def reduce_grads(codes, stored, grad, gamma, beta, channels, inner, mode, p, lut
                 total_beta += value
                 total_gamma += np.float64(a1) * value
         else:
-            first = p[c]
             for i in range(base, base + inner):
                 k = codes[i]
-                value = np.float64(grad[i]) if k >= first else 0.0
+                value = np.float64(grad[i]) if mask_table[c, k] != 0 else 0.0
                 total_beta += value
-                total_gamma += np.float64(lut_a1[c, k]) * value
+                total_gamma += a1_table[c, k] * value
         sum_beta[plane] = total_beta
         sum_gamma[plane] = total_gamma
 
 
 @numba.njit(cache=True, nogil=True)
-def grad_input(codes, stored, grad, gamma, beta, invstd, mean_grad, mean_proj, channels, inner, mode, p, lut_a1,
-               grad_x, plane_start, plane_stop):  # fmt: skip
-    """eq. (8): grad_x = invstd * (gamma grad_A2 - mean(grad_A1) - A1~ mean(A1~ grad_A1)), in float64."""
+def grad_input(codes, stored, grad, gamma, beta, invstd, mean_grad, mean_proj, channels, inner, mode, scale_table,
+               offset_table, grad_x, plane_start, plane_stop):  # fmt: skip
+    """eq. (8): grad_x = invstd * (gamma grad_A2 - mean(grad_A1) - A1~ mean(A1~ grad_A1)), in float64; mode 1 as
+    grad_x = grad_A3 * scale_table[c, code] - offset_table[c, code] (the per-code factors precomputed)."""
     for plane in range(plane_start, plane_stop):
         c = plane % channels
         base = plane * inner
-        g = np.float64(gamma[c])
-        b = beta[c]
-        s = np.float64(invstd[c])
-        shift = mean_grad[c]
-        proj = mean_proj[c]
         if mode == 0:
+            g = np.float64(gamma[c])
             gc = gamma[c]
+            b = beta[c]
+            s = np.float64(invstd[c])
+            shift = mean_grad[c]
+            proj = mean_proj[c]
             for i in range(base, base + inner):
                 a1 = stored[i]
                 value = np.float64(grad[i]) * g if a1 * gc + b > 0 else 0.0
                 grad_x[i] = (value - shift - np.float64(a1) * proj) * s
         else:
-            first = p[c]
             for i in range(base, base + inner):
                 k = codes[i]
-                value = np.float64(grad[i]) * g if k >= first else 0.0
-                grad_x[i] = (value - shift - np.float64(lut_a1[c, k]) * proj) * s
+                grad_x[i] = np.float64(grad[i]) * scale_table[c, k] - offset_table[c, k]

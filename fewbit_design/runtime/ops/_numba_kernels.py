@@ -32,6 +32,7 @@ Backward (``unpack_scale``): grad_input = grad * levels[code], fused unpack + lo
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
@@ -60,6 +61,7 @@ _u64 = numba.uint64
 _u8 = numba.uint8
 _0 = np.uint64(0)
 _1 = np.uint64(1)
+_2 = np.uint64(2)
 _7 = np.uint64(7)
 _8 = np.uint64(8)
 _16 = np.uint64(16)
@@ -105,25 +107,38 @@ def _pack_buffer(buffer, count, bits, out, first_group):
             out[offset + byte] = _u8((word >> (_8 * byte)) & _FF)
 
 
-@numba.njit(cache=True, nogil=True)
-def quantize_pack_lut32(x_bits, direct, lut, bits, out, start, stop):
-    """Codes of float32 x (``x_bits``: its uint32 bit patterns), packed into ``out``.
+def _make_quantize_pack_lut32(bits: int):
+    BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
 
-    ``direct`` (uint16[65536]) holds the code of each bucket, or ``SPLIT`` for the few buckets that hold a boundary,
-    whose ``lut`` (uint32[65536]) entry t << 16 | A << 8 | B gives code = A if low16 >= t else B.
+    @numba.njit(cache=True, nogil=True)
+    def quantize_pack_lut32(x_halves, direct, lut, out, start, stop):
+        # x_halves: float32 x as uint16 pairs (low, high) per element, so the bucket (top 16 bits) is one load
+        buffer = np.empty(CHUNK, dtype=np.uint8)
+        for chunk in range(_u64(start), _u64(stop), _CHUNK):
+            count = min(_CHUNK, _u64(stop) - chunk)
+            base = chunk * _2
+            for i in range(count):
+                bucket = _u64(x_halves[base + _2 * i + _1])
+                code = _u64(direct[bucket])
+                if code == _SPLIT:
+                    entry = _u64(lut[bucket])
+                    low = _u64(x_halves[base + _2 * i])
+                    code = ((entry >> _8) & _FF) if low >= (entry >> _16) else (entry & _FF)
+                buffer[i] = _u8(code)
+            _pack_buffer(buffer, count, BITS, out, chunk // _8)
+
+    return quantize_pack_lut32
+
+
+@functools.cache
+def quantize_pack_lut32(bits: int):
+    """The float32 kernel for ``bits``: ``kernel(x_halves, direct, lut, out, start, stop)``.
+
+    ``x_halves`` is x viewed as uint16 (two per element, little-endian: the high half holds sign, exponent and 7
+    mantissa bits, the bucket). ``direct`` (uint16[65536]) holds each bucket's code, or ``SPLIT`` for the few buckets
+    that hold a boundary, whose ``lut`` (uint32[65536]) entry t << 16 | A << 8 | B gives code = A if low16 >= t else B.
     """
-    ubits = _u64(bits)
-    buffer = np.empty(CHUNK, dtype=np.uint8)
-    for chunk in range(_u64(start), _u64(stop), _CHUNK):
-        count = min(_CHUNK, _u64(stop) - chunk)
-        for i in range(count):
-            pattern = _u64(x_bits[chunk + i])
-            code = _u64(direct[pattern >> _16])
-            if code == _SPLIT:
-                entry = _u64(lut[pattern >> _16])
-                code = ((entry >> _8) & _FF) if (pattern & _FFFF) >= (entry >> _16) else (entry & _FF)
-            buffer[i] = _u8(code)
-        _pack_buffer(buffer, count, ubits, out, chunk // _8)
+    return _make_quantize_pack_lut32(bits)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -165,23 +180,33 @@ def _load_word(packed, group, bits):
     return word
 
 
-@numba.njit(cache=True, nogil=True)
-def unpack_scale(grad, packed, levels, bits, out, start, stop):
-    """out = grad * levels[code] (in the dtype of grad and levels), codes unpacked from ``packed``."""
-    ubits = _u64(bits)
-    mask = _low_mask(ubits)
-    begin = _u64(start)
-    end = _u64(stop)
-    full_end = begin + (end - begin) // _8 * _8
-    for group in range(begin // _8, full_end // _8):
-        word = _load_word(packed, group, ubits)
-        base = group * _8
-        for k in range(_8):
-            out[base + k] = grad[base + k] * levels[(word >> (k * ubits)) & mask]
-    if full_end < end:
-        word = _load_word(packed, full_end // _8, ubits)
-        for k in range(end - full_end):
-            out[full_end + k] = grad[full_end + k] * levels[(word >> (k * ubits)) & mask]
+def _make_unpack_scale(bits: int):
+    BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
+    MASK = np.uint64((1 << bits) - 1)
+
+    @numba.njit(cache=True, nogil=True)
+    def unpack_scale(grad, packed, levels, out, start, stop):
+        begin = _u64(start)
+        end = _u64(stop)
+        full_end = begin + (end - begin) // _8 * _8
+        for group in range(begin // _8, full_end // _8):
+            word = _load_word(packed, group, BITS)
+            base = group * _8
+            for k in range(_8):
+                out[base + k] = grad[base + k] * levels[(word >> (k * BITS)) & MASK]
+        if full_end < end:
+            word = _load_word(packed, full_end // _8, BITS)
+            for k in range(end - full_end):
+                out[full_end + k] = grad[full_end + k] * levels[(word >> (k * BITS)) & MASK]
+
+    return unpack_scale
+
+
+@functools.cache
+def unpack_scale(bits: int):
+    """The backward kernel for ``bits``: ``kernel(grad, packed, levels, out, start, stop)`` writes
+    out = grad * levels[code] (in the dtype of grad and levels), codes unpacked from ``packed``."""
+    return _make_unpack_scale(bits)
 
 
 @numba.njit(cache=True, nogil=True)
@@ -250,9 +275,9 @@ def run(kernel, n: int, *args, threads: int | None = None) -> None:
         future.result()
 
 
-def warm_up() -> None:
-    """Compile (or load from numba's cache) the float32 kernels, e.g. before timing."""
+def warm_up(bits: int = 3) -> None:
+    """Compile (or load from numba's cache) the float32 kernels for ``bits``, e.g. before timing."""
     x = np.zeros(9, np.float32)
-    out = np.zeros(6, np.uint8)
-    quantize_pack_lut32(x.view(np.uint32), np.zeros(65536, np.uint16), np.zeros(65536, np.uint32), 3, out, 0, 9)
-    unpack_scale(x, out, np.zeros(8, np.float32), 3, np.empty_like(x), 0, 9)
+    out = np.zeros(2 * bits, np.uint8)
+    quantize_pack_lut32(bits)(x.view(np.uint16), np.zeros(65536, np.uint16), np.zeros(65536, np.uint32), out, 0, 9)
+    unpack_scale(bits)(x, out, np.zeros(2**bits, np.float32), np.empty_like(x), 0, 9)

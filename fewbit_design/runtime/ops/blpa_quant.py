@@ -130,24 +130,6 @@ class ChannelGrid:
         for name, value in self.numpy.items():
             setattr(self, name, torch.from_numpy(value).to(device))
 
-    def lookup_tables(self, gamma: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype):
-        """numpy tables (C, 2**K) of A1~ and A3~ per code in ``dtype`` (the reference formula of :func:`dequantize`)."""
-        levels = 1 << self.bits
-        arrays = self.numpy
-        codes = np.arange(levels, dtype=np.float64)[None, :]
-        p, z, step = arrays["p"][:, None], arrays["z"][:, None], arrays["step"][:, None]
-        mask = codes >= p
-        a1 = (codes + arrays["offset"][:, None]) * step
-        catch = np.where(mask, codes < z, codes >= z)
-        with np.errstate(over="ignore", invalid="ignore"):
-            centre = np.where(mask, 0.5, -0.5)
-            a1 = np.where(catch, (centre - arrays["r"][:, None]) * step, a1)
-            g = gamma.detach().to("cpu", torch.float64).numpy()[:, None]
-            b = beta.detach().to("cpu", torch.float64).numpy()[:, None]
-            a3 = np.where(mask, np.maximum(a1 * g + b, 0.0), 0.0)
-        numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
-        return np.ascontiguousarray(a1, dtype=numpy_dtype), np.ascontiguousarray(a3, dtype=numpy_dtype)
-
 
 def channel_grid(gamma: torch.Tensor, beta: torch.Tensor, bits: int) -> ChannelGrid:
     """The per-channel quantizer constants for scale ``gamma`` and shift ``beta`` at ``bits`` bits."""
@@ -299,6 +281,22 @@ def _run_planes(kernel, planes: int, inner: int, *args) -> None:
         future.result()
 
 
+def _kernel_tables(grid: ChannelGrid, gamma: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype):
+    """(lut_a1, lut_a3, a1_table, mask_table) of shape (C, 2**K), built by the numba kernel."""
+    from . import _blpa_numba as kernels
+
+    numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
+    shape = (gamma.numel(), 1 << grid.bits)
+    lut_a1, lut_a3 = np.empty(shape, dtype=numpy_dtype), np.empty(shape, dtype=numpy_dtype)
+    a1_table, mask_table = np.empty(shape, dtype=np.float64), np.empty(shape, dtype=np.float64)
+    arrays = grid.numpy
+    kernels.tables(
+        arrays["p"], arrays["z"], arrays["step"], arrays["offset"], arrays["r"], _numpy(gamma, torch.float64),
+        _numpy(beta, torch.float64), lut_a1, lut_a3, a1_table, mask_table,
+    )  # fmt: skip
+    return lut_a1, lut_a3, a1_table, mask_table
+
+
 def _layout(shape: torch.Size) -> tuple[int, int, int]:
     channels = shape[1]
     planes = shape[0] * channels
@@ -326,7 +324,7 @@ def forward_kernel(
     else:
         mode, grid = 1, ChannelGrid(gamma, beta, bits)
         scale, f, p = grid.numpy["scale"], grid.numpy["f"], grid.numpy["p"]
-        lut_a3 = grid.lookup_tables(gamma, beta, dtype)[1] if naive else np.zeros((channels, 1), dtype=numpy_dtype)
+        lut_a3 = _kernel_tables(grid, gamma, beta, dtype)[1] if naive else np.zeros((channels, 1), dtype=numpy_dtype)
         packed = torch.zeros(packed_nbytes(x.numel(), bits), dtype=torch.uint8)
         stored = packed
         store_array = np.zeros(0, dtype=numpy_dtype)
@@ -356,16 +354,15 @@ class _Decoder:
             self.mode = 0
             self.codes = np.zeros(0, dtype=np.uint8)
             self.values = stored.contiguous().view(-1).numpy()
-            self.p = np.zeros(channels, dtype=np.float64)
-            self.lut_a1 = self.lut_a3 = np.zeros((channels, 1), dtype=numpy_dtype)
+            self.mask_table = self.a1_table = np.zeros((channels, 1), dtype=np.float64)
+            self.lut_a3 = np.zeros((channels, 1), dtype=numpy_dtype)
         else:
             self.mode = 1
             self.codes = np.empty(shape.numel(), dtype=np.uint8)  # unpacked once, for the three passes
             _run_planes(kernels.unpack, planes, inner, stored.numpy(), bits, inner, self.codes)
             self.values = np.zeros(0, dtype=numpy_dtype)
             grid = ChannelGrid(gamma, beta, bits)
-            self.p = grid.numpy["p"]
-            self.lut_a1, self.lut_a3 = grid.lookup_tables(gamma, beta, dtype)
+            _, self.lut_a3, self.a1_table, self.mask_table = _kernel_tables(grid, gamma, beta, dtype)
 
 
 def decoder(
@@ -403,8 +400,8 @@ def backward_kernel(
     sum_gamma = torch.empty(planes, dtype=torch.float64)
     _run_planes(
         kernels.reduce_grads, planes, inner,
-        state.codes, state.values, grad, state.gamma, state.beta, channels, inner, state.mode, state.p,
-        state.lut_a1, sum_beta.numpy(), sum_gamma.numpy(),
+        state.codes, state.values, grad, state.gamma, state.beta, channels, inner, state.mode, state.mask_table,
+        state.a1_table, sum_beta.numpy(), sum_gamma.numpy(),
     )  # fmt: skip
     grad_beta = sum_beta.view(-1, channels).sum(0)
     grad_gamma = sum_gamma.view(-1, channels).sum(0)
@@ -414,10 +411,14 @@ def backward_kernel(
         gamma64 = gamma.detach().to(torch.float64)
         mean_grad = (gamma64 * grad_beta / count).numpy()
         mean_proj = (gamma64 * grad_gamma / count).numpy()
+        invstd64 = invstd.detach().to(torch.float64).numpy()
+        # per code: grad_x = grad_A3 * mask * gamma * invstd - (mean_grad + A1~ * mean_proj) * invstd
+        scale_table = state.mask_table * (gamma64.numpy() * invstd64)[:, None]
+        offset_table = (mean_grad[:, None] + state.a1_table * mean_proj[:, None]) * invstd64[:, None]
         grad_x = torch.empty(shape, dtype=dtype)
         _run_planes(
             kernels.grad_input, planes, inner,
             state.codes, state.values, grad, state.gamma, state.beta, _numpy(invstd, dtype), mean_grad, mean_proj,
-            channels, inner, state.mode, state.p, state.lut_a1, grad_x.view(-1).numpy(),
+            channels, inner, state.mode, scale_table, offset_table, grad_x.view(-1).numpy(),
         )  # fmt: skip
     return grad_beta, grad_gamma, grad_x

@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -306,10 +307,13 @@ def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: to
         x_bits = flat.view(torch.int16).numpy().view(np.uint16)
         kernels.run(kernels.quantize_pack_lut16, numel, x_bits, lut16, bits, out_np)
         return out
-    luts = _cached_lut(x.dtype, boundaries, interval_codes) if x.dtype == torch.float32 else None
+    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
+    use_lut = x.dtype == torch.float32 and sys.byteorder == "little"
+    luts = _cached_lut(x.dtype, boundaries, interval_codes) if use_lut else None
     if luts is not None:
         direct, lut32 = luts
-        kernels.run(kernels.quantize_pack_lut32, numel, flat.numpy().view(np.uint32), direct, lut32, bits, out_np)
+        x_halves = flat.numpy().view(np.uint16)
+        kernels.run(kernels.quantize_pack_lut32(bits), numel, x_halves, direct, lut32, out_np)
     else:
         codes_np = interval_codes.detach().cpu().numpy()
         boundaries_np = boundaries.detach().cpu().numpy()
@@ -330,7 +334,7 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
         flat = flat.to(levels.dtype)
     out = torch.empty_like(flat)
     levels_np = levels.detach().cpu().numpy()
-    kernels.run(kernels.unpack_scale, flat.numel(), flat.numpy(), packed.detach().numpy(), levels_np, bits, out.numpy())
+    kernels.run(kernels.unpack_scale(bits), flat.numel(), flat.numpy(), packed.detach().numpy(), levels_np, out.numpy())
     return out.to(grad.dtype).reshape(grad.shape)
 
 
