@@ -54,7 +54,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--depths", default="164,254,488,1001", help="comma-separated depths 9n + 2")
     parser.add_argument("--width", type=int, default=1, help="channel multiplier (the paper's '1001 (4x)' is 4)")
-    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per configuration")
     parser.add_argument("--budget-gib", type=float, default=11.0, help="memory budget (default 11: a 1080Ti)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
