@@ -374,16 +374,17 @@ def test_torch_compile_fullgraph(make_table):
     torch.testing.assert_close(model.linear.weight.grad, expected_grad, rtol=0, atol=0)
 
 
-def test_autocast_bfloat16_on_cpu(make_table):
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_autocast_on_cpu(dtype, make_table):
     table = make_table("gelu", 3)
     linear = torch.nn.Linear(8, 8)
     ours, native = fnn.GELU(table=table), torch.nn.GELU()
     x = torch.randn(4, 8)
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    with torch.autocast("cpu", dtype=dtype):
         hidden = linear(x)
         y = ours(hidden)
         expected = native(hidden)
-    assert hidden.dtype == torch.bfloat16 and y.dtype == expected.dtype
+    assert hidden.dtype == dtype and y.dtype == expected.dtype
     torch.testing.assert_close(y, expected, rtol=0, atol=0)
     grad = torch.randn_like(y)
     (hidden_grad,) = torch.autograd.grad(y, hidden, grad)
