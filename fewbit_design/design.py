@@ -18,9 +18,9 @@ never a grid value; ``design["grid_error"]`` is the grid DP's L.
 
 Default grid sizes (``grid=None``), chosen so that results are converged and an 8-bit design stays around a second:
 with the default spacing (half the points follow w (f'')^2), quadrupling the grid changes the stored error by less
-than 1e-11 relative up to 6 bits and by less than 1e-5 at 7-8 bits in our checks (gelu, silu, selu, sigmoid,
-hardswish, mish, softsign, elu; uniform and normal weights), where a finer grid can start refinement in a
-slightly better local optimum:
+than 1e-11 relative at 2, 4, 6, 7 and 8 bits in our checks (gelu, silu, selu, sigmoid, hardswish, mish, softsign,
+elu; uniform and normal weights; both modes), except one 8-bit level-sets table (selu, normal weight: 6e-6), where
+the finer grid starts refinement in a slightly better local optimum:
 
 * intervals: max(2048, 32 * 2**bits) grid points (the DP is O(n^2 K) in the worst case; refinement removes the
   grid's resolution limit);
