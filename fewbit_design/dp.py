@@ -214,10 +214,12 @@ def _parallel(parallel: bool | None, n: int, K: int) -> bool:
 
 
 def intervals_dp(prefix: np.ndarray, K: int, *, parallel: bool | None = None) -> tuple[float, np.ndarray]:
-    """Exact optimal split of n grid cells into K intervals (eq. 7), with pruning, in parallel over i.
+    """Exact optimal split of n grid cells into K intervals (eq. 7), with exact pruning.
 
     ``prefix`` holds rows W, FW, F2 of prefix integrals (length n + 1). Returns the optimal cost and the K - 1 cut
-    indices 0 < c_1 < ... < c_{K-1} < n (grid points where intervals meet).
+    indices 0 < c_1 < ... < c_{K-1} < n (grid points where intervals meet). ``parallel`` runs rows i on all numba
+    threads (default: only for large n * K, see :func:`_parallel`). Memory: O(n) per layer plus an int32 argmin
+    table of K x (n + 1).
 
     >>> prefix = np.cumsum(np.array([[0, 1, 1, 1, 1], [0, 0, 0, 1, 1], [0, 0, 0, 1, 1]], float), axis=1)
     >>> intervals_dp(prefix, 2)
@@ -315,8 +317,9 @@ def levelsets_dp(prefix: np.ndarray, K: int, *, parallel: bool | None = None) ->
     """Exact weighted 1-D k-means of atoms sorted by value: optimal split into K contiguous clusters.
 
     ``prefix`` holds rows W, FW, F2 of prefix sums over atoms sorted by their mean value FW/W, each atom with
-    positive mass. Divide and conquer per layer (the cost is Monge on sorted values), parallel over segments.
-    Returns the optimal cost and the K - 1 cut indices (atom i belongs to cluster r when cuts[r-1] <= i < cuts[r]).
+    positive mass. Divide and conquer per layer (the cost is Monge on sorted values: O(K n log n)); ``parallel``
+    solves the segments of each layer on all numba threads. Returns the optimal cost and the K - 1 cut indices
+    (atom i belongs to cluster r when cuts[r-1] <= i < cuts[r]).
 
     >>> values = np.array([0.0, 0.1, 5.0, 5.2])
     >>> prefix = np.vstack([np.arange(5.0), np.r_[0, np.cumsum(values)], np.r_[0, np.cumsum(values**2)]])

@@ -90,9 +90,9 @@ class Problem:
         self.split_points = np.union1d(self.breakpoints, extra[(extra > self.low) & (extra < self.high)])
 
     def _side(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """w(x) and f'(x) w(x) with f' evaluated only where w > 0 (f' may be non-finite where it does not count)."""
+        """w(x) and f'(x), f' evaluated only where w > 0 (0 elsewhere: it may be non-finite where it does not count)."""
         w = np.asarray(self.weight(x), dtype=np.float64)
-        fw = np.zeros_like(w)
+        derivative = np.zeros_like(w)
         where = w > 0
         if where.any():
             xs = x[where]
@@ -100,8 +100,8 @@ class Problem:
             if not np.all(np.isfinite(d)):
                 bad = float(xs[~np.isfinite(d)][0])
                 raise FewBitError(f"{self.name} is not finite at x={bad:g} inside the design range")
-            fw[where] = d
-        return w, fw
+            derivative[where] = d
+        return w, derivative
 
     def error_density(self, x: np.ndarray, level: np.ndarray) -> np.ndarray:
         """(f'(x) - level)**2 w(x) (folded over both sides when symmetric), without cancellation."""

@@ -1,13 +1,15 @@
 """Continuous refinement of a grid solution, with accurate moments (never the grid): neither step increases L.
 
 * :func:`refine_intervals`: the K - 1 interior boundaries s of the intervals mode minimise L(s) with the optimal
-  levels y(s) of eq. 4, by L-BFGS-B with the analytic gradient of eq. 5,
-  dL/ds_i = (y_i - y_{i-1}) (2 f'(s_i) - y_i - y_{i-1}) w(s_i), written with the densities so that it also holds for
-  the symmetric (folded) problem. The result is kept only if L decreased.
-* :func:`refine_levelsets`: Lloyd iterations on the continuous problem. Codes are the level sets of the nearest
-  level, {x : f'(x) closest to y_c}, unions of intervals whose boundaries are the roots of f'(x) = (y_c + y_{c+1}) / 2
-  (a sign-change scan on a fine grid, then vectorised Illinois regula falsi to machine precision); levels are the
-  conditional means E[f'(X) | code]. Each step can only lower L; the best table seen is returned.
+  levels y(s) of eq. 4. The gradient is eq. 5, dL/ds_i = (y_i - y_{i-1}) (2 f'(s_i) - y_i - y_{i-1}) w(s_i), written
+  with the densities so that it also holds for the symmetric (folded) problem; its Hessian is tridiagonal (each s_i
+  meets only y_{i-1} and y_i), so damped Newton converges in a handful of steps; L-BFGS-B with the same gradient
+  takes over if Newton stalls. The result is kept only if L decreased.
+* :func:`refine_levelsets`: Lloyd's algorithm on the continuous problem, with Newton steps. Codes are the level sets
+  of the nearest level, {x : f'(x) closest to y_c}, unions of intervals whose boundaries are the roots of
+  f'(x) = (y_c + y_{c+1}) / 2 (a sign-change scan on a fine grid, then vectorised Illinois regula falsi to machine
+  precision); levels move to the conditional means E[f'(X) | code] (Lloyd) or by a damped Newton step on the
+  distortion when that is better. No accepted step raises L; the best table seen is returned.
 
 Moments come from an :class:`~fewbit_design.integrals.Antiderivative` (exact Gauss-Legendre on a fine panel grid).
 """
@@ -79,13 +81,8 @@ def _levels(problem: Problem, edges: np.ndarray, m: np.ndarray) -> np.ndarray:
 
 
 def intervals_loss(antiderivative: Antiderivative, boundaries: np.ndarray) -> tuple[float, np.ndarray]:
-    """L and the optimal levels for interior boundaries (sorted) of the intervals mode."""
-    problem = antiderivative.problem
-    edges = np.concatenate([[problem.low], np.asarray(boundaries, dtype=np.float64), [problem.high]])
-    cumulative = antiderivative(edges)
-    m = np.diff(cumulative, axis=1)
-    levels = _levels(problem, edges, m)
-    loss = float(np.sum(np.maximum(m[2] - 2.0 * levels * m[1] + levels * levels * m[0], 0.0)))
+    """L and the optimal levels (eq. 4) for sorted interior boundaries of the intervals mode."""
+    loss, levels, _ = _intervals_state(antiderivative, np.asarray(boundaries, dtype=np.float64))
     return loss, levels
 
 
