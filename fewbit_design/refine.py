@@ -205,7 +205,7 @@ def refine_intervals(
         if decrease <= 1e-15 * loss or float(np.max(np.abs(step))) <= 1e-14 * span:
             break
     gradient, _, _ = _intervals_newton_terms(antiderivative, s, levels, mass)
-    if float(np.max(np.abs(gradient[free]), initial=0.0)) * span > 1e-9 * loss:
+    if loss > 0.0 and float(np.max(np.abs(gradient[free]), initial=0.0)) * span > 1e-9 * loss:
         s, loss, levels, extra = _lbfgsb(antiderivative, s, loss, free)
         iterations += extra
     if loss < start_loss:
