@@ -279,3 +279,11 @@ def test_bad_input_raises_one_clear_error(kwargs, message):
 def test_unknown_activation_names_close_matches():
     with pytest.raises(FewBitError, match="did you mean 'gelu'"):
         design("gelux", 2)
+
+
+def test_regression_refinement_that_reaches_zero_error():
+    # leaky_relu' takes two values: Newton reached L = 0 exactly and the L-BFGS-B polish then divided by L.
+    for mode in ("levelsets", "intervals"):
+        for bits in (3, 8):
+            t = design("leaky_relu", bits, mode=mode)
+            assert t.error == pytest.approx(0.0, abs=1e-20)
