@@ -315,6 +315,17 @@ def test_backend_choice_is_checked(monkeypatch):
     assert op.backend_for(torch.device("meta")) == "reference"
 
 
+def test_without_numba_the_reference_runs(monkeypatch):
+    monkeypatch.delenv(op.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(op, "_importable", lambda module: module != "numba")
+    assert op.backend_for(torch.device("cpu")) == "reference"
+    table = random_table(bits=2, seed=2)
+    tensors = op.table_tensors(table)
+    x = torch.randn(99)
+    packed = op.quantize(x, tensors.boundaries32, tensors.interval_codes, 2)
+    np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 2))
+
+
 def test_bad_inputs_raise_one_clear_error():
     tensors = op.table_tensors(random_table(bits=3, seed=1))
     with pytest.raises(FewBitError, match="float32, float16, bfloat16 or float64"):

@@ -248,6 +248,16 @@ def _pool() -> ThreadPoolExecutor:
         return _POOL
 
 
+def _forget_pool() -> None:
+    # a forked child inherits the pool object but not its threads
+    global _POOL
+    _POOL = None
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def split(n: int, parts: int) -> list[tuple[int, int]]:
     """[0, n) cut into ``parts`` ranges of nearly equal length whose starts are multiples of ``CHUNK``."""
     chunks = -(-n // CHUNK)

@@ -503,14 +503,14 @@ SECOND_ORDER_MESSAGE = (
 class _FewBitFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
-        # the native op, not recorded by autograd: y is bitwise the native module's output and x is not saved
-        y = native(x)
-        # eager calls the launcher directly (the custom op's Python wrapper costs ~0.1 ms a call); torch.compile
-        # traces the custom op
+        # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
+        # the native module's output and x is not saved. Eager calls the launcher directly (the custom op's Python
+        # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
         if torch.compiler.is_compiling():
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
+        y = native(x)
         ctx.save_for_backward(packed, levels32, levels64)
         ctx.bits = bits
         return y
