@@ -249,6 +249,8 @@ def resolve_table(
     if table is None:
         return load_table(bound.name, params=bound.params, bits=bits, weight=weight, mode=mode)
     check_bits(bits)
+    check_choice("weight", weight, WEIGHTS)
+    check_choice("mode", mode, MODES)
     resolved = as_table(table)
     try:
         table_activation = activations.get(resolved.activation).name
