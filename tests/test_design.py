@@ -135,7 +135,7 @@ def test_levelsets_never_worse_than_intervals_at_8_bits():
         assert len(levelsets.levels) == 256 and np.all(np.diff(levelsets.levels) >= 0)
 
 
-@pytest.mark.parametrize("name", ["relu6", "hardtanh"])
+@pytest.mark.parametrize("name", ["relu6", "hardtanh", "hardsigmoid", "hardshrink", "softshrink"])
 def test_piecewise_constant_derivatives_are_exact_with_one_bit(name):
     t = design(name, 1)
     assert t.error == 0.0 and t.snr_db is None
