@@ -7,9 +7,10 @@ The folder can be overridden with the ``FEWBIT_TABLES_DIR`` environment variable
 
 >>> from fewbit_design import runtime
 >>> table = runtime.load_table("gelu", bits=3)                        # doctest: +SKIP
->>> table = runtime.load_table("elu", params={"alpha": 0.5})          # doctest: +SKIP
-Traceback (most recent call last):
-fewbit_design.errors.FewBitError: no shipped table for elu(alpha=0.5) ... fewbit-design elu --param alpha=0.5 ...
+>>> runtime.load_table("elu", params={"alpha": 0.5})                  # doctest: +SKIP
+FewBitError: no shipped table for elu(alpha=0.5) at 3 bits (weight 'uniform', mode 'levelsets'): it is not in the
+shipped set (.../index.json); design it with `fewbit-design elu --param alpha=0.5 --bits 3 --weight uniform --out
+elu.json` and pass table='elu.json'
 """
 
 from __future__ import annotations
