@@ -360,22 +360,33 @@ def merge_sorted_atoms(
     groups + 1); for each kept atom in the order ``np.argsort(values, kind="stable")``, its group index; and the
     merged atoms' own W, FW, F2 (3, groups).
     """
+    prefix, group, sums, _ = _merge(values, masses, seconds, tolerance)
+    return prefix, group, sums
+
+
+def _merge(values, masses, seconds, tolerance):
+    """:func:`merge_sorted_atoms` plus the sorted kept values."""
     values = np.asarray(values, dtype=np.float64).ravel()
     masses = np.asarray(masses, dtype=np.float64).ravel()
-    seconds = masses * values * values if seconds is None else np.asarray(seconds, dtype=np.float64).ravel()
+    seconds = None if seconds is None else np.asarray(seconds, dtype=np.float64).ravel()
     keep = masses > 0
-    values, masses, seconds = values[keep], masses[keep], seconds[keep]
+    if not keep.all():
+        values, masses = values[keep], masses[keep]
+        seconds = None if seconds is None else seconds[keep]
     order = np.argsort(values, kind="stable")
-    values, masses, seconds = values[order], masses[order], seconds[order]
+    values, masses = values[order], masses[order]
+    first = masses * values
+    seconds = first * values if seconds is None else seconds[order]
     group = _group_runs(values, tolerance)
     groups = int(group[-1]) + 1 if group.size else 0
     sums = np.zeros((3, groups))
-    np.add.at(sums[0], group, masses)
-    np.add.at(sums[1], group, masses * values)
-    np.add.at(sums[2], group, seconds)
+    if groups:
+        sums[0] = np.bincount(group, masses, groups)
+        sums[1] = np.bincount(group, first, groups)
+        sums[2] = np.bincount(group, seconds, groups)
     from .integrals import _compensated_cumsum
 
-    return _compensated_cumsum(sums), group, sums
+    return _compensated_cumsum(sums), group, sums, values
 
 
 @numba.njit(cache=True)
@@ -412,9 +423,8 @@ def kmeans_1d(
     """
     values = np.asarray(values, dtype=np.float64).ravel()
     weights = np.ones_like(values) if weights is None else np.asarray(weights, dtype=np.float64).ravel()
-    prefix, group, _ = merge_sorted_atoms(values, weights)
+    prefix, group, _, kept = _merge(values, weights, None, 1e-12)
     groups = prefix.shape[1] - 1
-    kept = np.sort(values[weights > 0], kind="stable")
     K = min(int(K), groups)
     cost, cuts = levelsets_dp_reference(prefix, K) if reference else levelsets_dp(prefix, K, parallel=parallel)
     edges = np.concatenate([[0], cuts, [groups]])
