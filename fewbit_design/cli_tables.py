@@ -28,8 +28,13 @@ def tables_group() -> None:
 
 
 @tables_group.command("build")
-@click.option("--out", "out", type=click.Path(file_okay=False), default=None,
-              help="Output folder (default: the package's shipped tables folder).")
+@click.option(
+    "--out",
+    "out",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Output folder (default: the package's shipped tables folder).",
+)
 @click.option("--jobs", type=click.IntRange(min=1), default=None, help="Worker processes (default: all cores).")
 @click.option("--activation", "activations", multiple=True, help="Only these activations (repeatable).")
 def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]) -> None:
@@ -46,19 +51,32 @@ def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]
 
 
 @tables_group.command("verify")
-@click.option("--dir", "root", type=click.Path(file_okay=False), default=None,
-              help="Tables folder to check (default: the shipped one).")
-@click.option("--sample", type=click.IntRange(min=1), default=None,
-              help="Recompute only N tables, chosen to cover every activation (default: all).")
+@click.option(
+    "--dir",
+    "root",
+    type=click.Path(file_okay=False),
+    default=None,
+    help="Tables folder to check (default: the shipped one).",
+)
+@click.option(
+    "--sample",
+    type=click.IntRange(min=1),
+    default=None,
+    help="Recompute only N tables, chosen to cover every activation (default: all).",
+)
 @click.option("--seed", type=int, default=0, help="Seed of the sample.")
-def tables_verify(root: str | None, sample: int | None, seed: int) -> None:
+@click.option("--activation", "activations", multiple=True, help="Recompute only these activations (repeatable).")
+def tables_verify(root: str | None, sample: int | None, seed: int, activations: tuple[str, ...]) -> None:
     """Validate every shipped table and recompute them (or a sample); fail naming the table and field."""
+    from . import activations as registry
     from .shipped import read_index, sample_specs, table_specs, verify
 
     read_index(root)  # a missing or broken index is one clear error, before any work
-    count = len(table_specs()) if sample is None else len(sample_specs(table_specs(), sample, seed=seed))
+    names = [registry.get(name).name for name in activations] or None
+    specs = table_specs(names)
+    count = len(specs) if sample is None else len(sample_specs(specs, sample, seed=seed))
     with _progress(count, "recomputing tables") as bar:
-        problems = verify(root, sample=sample, seed=seed, progress=lambda _spec: bar.update(1))
+        problems = verify(root, sample=sample, seed=seed, activations=names, progress=lambda _spec: bar.update(1))
     if problems:
         for problem in problems:
             click.echo(f"FAIL {problem}", err=True)
@@ -69,15 +87,31 @@ def tables_verify(root: str | None, sample: int | None, seed: int) -> None:
 def weight_options(function):
     """The weight options shared by `plot` and `curves`."""
     options = [
-        click.option("--weight", type=click.Choice(WEIGHT_KINDS), default="uniform", show_default=True,
-                     help="Weight w(x): the expected distribution of pre-activations."),
+        click.option(
+            "--weight",
+            type=click.Choice(WEIGHT_KINDS),
+            default="uniform",
+            show_default=True,
+            help="Weight w(x): the expected distribution of pre-activations.",
+        ),
         click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0)."),
         click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1)."),
         click.option("--df", type=float, default=None, help="Degrees of freedom of student-t."),
-        click.option("--samples", type=click.Path(dir_okay=False), default=None,
-                     help="A .npy file of recorded pre-activations (weight 'empirical')."),
-        click.option("--range", "design_range", type=(float, float), default=(-10.0, 10.0), show_default=True,
-                     metavar="A B", help="Design range [A, B]."),
+        click.option(
+            "--samples",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="A .npy file of recorded pre-activations (weight 'empirical').",
+        ),
+        click.option(
+            "--range",
+            "design_range",
+            type=(float, float),
+            default=(-10.0, 10.0),
+            show_default=True,
+            metavar="A B",
+            help="Design range [A, B].",
+        ),
     ]
     for option in reversed(options):
         function = option(function)
@@ -179,8 +213,16 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
         for mode in ("levelsets", "intervals"):
             for bits in bits_list:
                 table = get_table(bound, bits, mode, kwargs)
-                rows.append({"activation": bound.name, "mode": mode, "symmetric": table.symmetric, "bits": bits,
-                             "error": table.error, "snr_db": table.snr_db})
+                rows.append(
+                    {
+                        "activation": bound.name,
+                        "mode": mode,
+                        "symmetric": table.symmetric,
+                        "bits": bits,
+                        "error": table.error,
+                        "snr_db": table.snr_db,
+                    }
+                )
     click.echo(format_curves_table(rows, bits_list))
     from .plots import plot_curves
 

@@ -250,13 +250,15 @@ def verify(
     *,
     sample: int | None = None,
     seed: int = 0,
+    activations: Sequence[str] | None = None,
     progress: Callable[[TableSpec], None] | None = None,
 ) -> list[str]:
     """Check the shipped set; return the problems found (empty when it passes).
 
     Every listed file is loaded and validated; the set must be complete; for every activation, weight and bit width
     the level-sets error must be at most the intervals error; then every table (or ``sample`` of them, covering
-    every activation) is recomputed and compared field by field within 1e-9 relative.
+    every activation; or only the tables of ``activations``) is recomputed and compared field by field within 1e-9
+    relative.
     """
     root = Path(root) if root is not None else TABLES_DIR
     document = read_index(root)
@@ -288,7 +290,8 @@ def verify(
             problems.append(
                 f"table {spec.file!r}: field 'error' {table.error:.6g} is above the intervals table's {twin.error:.6g}"
             )
-    chosen = list(tables) if sample is None else sample_specs(list(tables), sample, seed=seed)
+    candidates = [s for s in tables if activations is None or s.activation in activations]
+    chosen = candidates if sample is None else sample_specs(candidates, sample, seed=seed)
     for spec in chosen:
         fresh = spec.design()
         message = compare(tables[spec], fresh)
