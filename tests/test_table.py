@@ -134,3 +134,14 @@ def test_arrays_are_read_only():
     table = make()
     with pytest.raises(ValueError):
         table.levels[0] = 5.0
+
+
+def test_written_files_get_ordinary_permissions(tmp_path):
+    # regression: the temporary file behind an atomic write used to leave outputs readable by the owner only
+    path = tmp_path / "t.json"
+    old = os.umask(0o022)
+    try:
+        make().save(path)
+    finally:
+        os.umask(old)
+    assert path.stat().st_mode & 0o777 == 0o644
