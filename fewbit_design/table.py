@@ -238,6 +238,11 @@ def check_writable(path: str | os.PathLike, *, force: bool = False) -> Path:
         raise FewBitError(f"output directory {str(parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise FewBitError(f"output directory {str(parent)!r} is not writable")
+    try:  # os.access says yes to root everywhere; a real probe also catches read-only and special filesystems
+        with tempfile.TemporaryFile(dir=parent):
+            pass
+    except OSError as exc:
+        raise FewBitError(f"output directory {str(parent)!r} is not writable ({exc.strerror})") from None
     return path
 
 
@@ -256,9 +261,11 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, force: bool = Fa
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as exc:
         if os.path.exists(tmp):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise FewBitError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
         raise
     return path
 
