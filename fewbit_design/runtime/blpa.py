@@ -17,6 +17,9 @@ pass (with the same backward), so errors accumulate across layers; the paper saw
 The quantizer (eqs. 9-10, made sign-preserving in every case) is documented in
 :mod:`fewbit_design.runtime.ops.blpa_quant`.
 
+On CPU (float32/float64) the element-wise work runs in fused numba kernels that match the torch reference bitwise
+on codes and forward outputs (:func:`set_backend` picks 'auto', 'torch' or 'numba'); elsewhere the reference runs.
+
 In eval mode (with running statistics) a unit runs the plain exact forward through ``torch.nn.functional``
 (nothing of its own is saved; if you backpropagate in eval mode, autograd saves what the plain ops need).
 

@@ -257,6 +257,15 @@ _POOL_LOCK = threading.Lock()
 _MIN_ELEMENTS_PER_THREAD = 1 << 15
 
 
+def _forget_pool() -> None:
+    # a forked child inherits the executor but not its threads: start a fresh one there
+    _POOL.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pool)
+
+
 def _pool() -> ThreadPoolExecutor:
     with _POOL_LOCK:
         if not _POOL:
