@@ -14,8 +14,44 @@ import click
 
 from ._version import __version__
 from .errors import FewBitError
+from .weights import WEIGHT_KINDS
 
 PROG = "fewbit-design"
+
+
+def weight_options(function):
+    """The weight options shared by every command that designs tables: --weight, --loc, --scale, --df, --samples,
+    --range. Values are checked by :func:`fewbit_design.weights.make_weight` (one line naming the constraint)."""
+    options = [
+        click.option(
+            "--weight",
+            default="uniform",
+            show_default=True,
+            metavar="|".join(WEIGHT_KINDS),
+            help="Weight w(x): the expected distribution of pre-activations.",
+        ),
+        click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0)."),
+        click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1)."),
+        click.option("--df", type=float, default=None, help="Degrees of freedom of student-t."),
+        click.option(
+            "--samples",
+            type=click.Path(dir_okay=False),
+            default=None,
+            help="A .npy file of recorded pre-activations (weight 'empirical').",
+        ),
+        click.option(
+            "--range",
+            "design_range",
+            type=(float, float),
+            default=(-10.0, 10.0),
+            show_default=True,
+            metavar="A B",
+            help="Design range [A, B]; w = 0 outside.",
+        ),
+    ]
+    for option in reversed(options):
+        function = option(function)
+    return function
 
 
 class _DefaultCommandGroup(click.Group):

@@ -10,10 +10,9 @@ from typing import Any
 import click
 import numpy as np
 
-from .cli import cli
+from .cli import WEIGHT_KINDS, cli, weight_options
 from .errors import FewBitError, check_bits, check_choice, check_range
 
-WEIGHT_KINDS = ("uniform", "normal", "laplace", "student-t", "empirical")
 MODES = ("levelsets", "intervals")
 
 
@@ -84,31 +83,7 @@ def format_summary(table: Any, seconds: float) -> str:
 @cli.command("design", context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("activation", required=False)
 @click.option("--bits", type=int, default=3, show_default=True, help="Bits per element, 1 to 8 (2**bits codes).")
-@click.option(
-    "--weight",
-    default="uniform",
-    show_default=True,
-    metavar="|".join(WEIGHT_KINDS),
-    help="Weight w(x): the expected distribution of pre-activations.",
-)
-@click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0).")
-@click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1).")
-@click.option("--df", type=float, default=None, help="Degrees of freedom of student-t.")
-@click.option(
-    "--samples",
-    type=click.Path(dir_okay=False),
-    default=None,
-    help="A .npy file of recorded pre-activations (weight 'empirical').",
-)
-@click.option(
-    "--range",
-    "design_range",
-    type=(float, float),
-    default=(-10.0, 10.0),
-    show_default=True,
-    metavar="A B",
-    help="Design range [A, B]; w = 0 outside.",
-)
+@weight_options
 @click.option(
     "--mode",
     default="levelsets",

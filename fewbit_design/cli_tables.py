@@ -9,11 +9,10 @@ from typing import Any
 
 import click
 
-from .cli import cli
+from .cli import WEIGHT_KINDS, cli, weight_options
 from .errors import FewBitError, parse_int_spec
 from .table import check_writable
 
-WEIGHT_KINDS = ("uniform", "normal", "laplace", "student-t", "empirical")
 # Activations of the default `curves` figure: the paper's Table 1 and the other smooth ones.
 DEFAULT_CURVES = ("gelu", "silu", "mish", "selu", "elu", "softplus", "sigmoid", "tanh", "logsigmoid", "softsign")
 
@@ -84,41 +83,10 @@ def tables_verify(root: str | None, sample: int | None, seed: int, activations: 
     click.echo(f"ok: every table validates; {count} recomputed within 1e-9 relative")
 
 
-def weight_options(function):
-    """The weight options shared by `plot` and `curves`."""
-    options = [
-        click.option(
-            "--weight",
-            type=click.Choice(WEIGHT_KINDS),
-            default="uniform",
-            show_default=True,
-            help="Weight w(x): the expected distribution of pre-activations.",
-        ),
-        click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0)."),
-        click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1)."),
-        click.option("--df", type=float, default=None, help="Degrees of freedom of student-t."),
-        click.option(
-            "--samples",
-            type=click.Path(dir_okay=False),
-            default=None,
-            help="A .npy file of recorded pre-activations (weight 'empirical').",
-        ),
-        click.option(
-            "--range",
-            "design_range",
-            type=(float, float),
-            default=(-10.0, 10.0),
-            show_default=True,
-            metavar="A B",
-            help="Design range [A, B].",
-        ),
-    ]
-    for option in reversed(options):
-        function = option(function)
-    return function
-
-
 def weight_kwargs(weight: str, loc, scale, df, samples, design_range) -> dict[str, Any]:
+    from .errors import check_choice
+
+    weight = check_choice("--weight", weight, WEIGHT_KINDS)
     kwargs: dict[str, Any] = {"weight": weight, "low": design_range[0], "high": design_range[1]}
     for name, value in (("loc", loc), ("scale", scale), ("df", df), ("samples", samples)):
         if value is not None:
