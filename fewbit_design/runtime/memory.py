@@ -2,7 +2,9 @@
 
 Every tensor that autograd saves for backward goes through ``torch.autograd.graph.saved_tensors_hooks``;
 this module counts those tensors' storages once each (de-duplicated by storage), leaving out parameters and,
-when a model is given, its buffers. It is how memory claims are measured on a machine without a GPU.
+when a model is given, its buffers. Leaf tensors that require grad (parameters, or inputs the caller created with
+``requires_grad=True``) are left out too: the caller keeps them alive whether or not autograd saves them, so they
+are not memory that backward costs. It is how memory claims are measured on a machine without a GPU.
 
 >>> import torch
 >>> from fewbit_design.runtime import memory
