@@ -87,3 +87,14 @@ def tables_dir(tmp_path, monkeypatch):
     (tmp_path / "index.json").write_text(json.dumps({"format": "fewbit-index/1", "tables": entries}))
     monkeypatch.setenv("FEWBIT_TABLES_DIR", str(tmp_path))
     return tmp_path
+
+
+@pytest.fixture
+def one_torch_thread():
+    """Run a test with one torch thread (reproducible float reductions), restoring the setting afterwards."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)

@@ -20,12 +20,7 @@ from fewbit_design.runtime import reversible as R
 BUILDERS = {"revnet": R.revnet, "hybrid": R.hybrid_net, "layerwise": R.layerwise_net}
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def oracle_of(model: nn.Module) -> nn.Module:

@@ -16,13 +16,7 @@ from fewbit_design import snr
 from fewbit_design.cli_snr import _measure_network
 from fewbit_design.runtime import reversible as R
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 def z_input(seed: int = 0) -> torch.Tensor:
