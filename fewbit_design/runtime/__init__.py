@@ -9,6 +9,17 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+try:
+    import torch  # noqa: F401  (fail here, with the fix, rather than deep inside a submodule)
+except ModuleNotFoundError as error:
+    if error.name != "torch":
+        raise
+    raise ModuleNotFoundError(
+        "fewbit_design.runtime needs PyTorch: pip install 'fewbit-design[runtime]' "
+        "(or install the torch build for your machine first)",
+        name="torch",
+    ) from error
+
 _SUBMODULES = ("nn", "functional", "memory", "blpa", "reversible", "ops", "convert", "tables")
 _LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {}
 
