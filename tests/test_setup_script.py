@@ -14,9 +14,11 @@ import importlib.util
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import threading
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -286,3 +288,33 @@ def test_runtime_with_a_broken_torch_keeps_the_real_error(tmp_path: Path) -> Non
     assert result.returncode == 1
     last = result.stderr.rstrip().splitlines()[-1]
     assert last == "ModuleNotFoundError: No module named 'fewbit_missing_torch_dependency'"
+
+
+def test_wheel_ships_every_table_without_packaging_warnings(tmp_path: Path) -> None:
+    """setup.cfg lists the data-only table folders (no "absent from the packages configuration") and ships the JSON."""
+    pytest.importorskip("setuptools")
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("setup.cfg", "pyproject.toml", "README.md"):
+        (source / name).write_bytes((ROOT / name).read_bytes())
+    shutil.copytree(ROOT / "fewbit_design", source / "fewbit_design", ignore=shutil.ignore_patterns("*.pyc"))
+    stray = source / "fewbit_design" / "tables" / "__pycache__"
+    stray.mkdir(exist_ok=True)
+    (stray / "stray.pyc").write_bytes(b"")
+    result = subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(source), "--no-deps", "--no-build-isolation", "-v"]
+        + ["-w", str(tmp_path / "wheels")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+    assert "absent from the" not in result.stdout + result.stderr
+    (wheel,) = (tmp_path / "wheels").glob("fewbit_design-*.whl")
+    shipped = {path.relative_to(ROOT).as_posix() for path in (ROOT / "fewbit_design" / "tables").rglob("*.json")}
+    with zipfile.ZipFile(wheel) as archive:
+        names = set(archive.namelist())
+    assert "fewbit_design/tables/index.json" in shipped
+    assert shipped - names == set()
+    assert not [name for name in names if "__pycache__" in name]
