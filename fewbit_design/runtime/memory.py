@@ -1,4 +1,4 @@
-"""Exact accounting of the bytes saved for the backward pass.
+"""Exact accounting of memory: the bytes saved for the backward pass, and the peak of live tensor bytes.
 
 Every tensor that autograd saves for backward goes through ``torch.autograd.graph.saved_tensors_hooks``;
 this module counts those tensors' storages once each (de-duplicated by storage), leaving out parameters and,
@@ -13,18 +13,36 @@ are not memory that backward costs. It is how memory claims are measured on a ma
 ...     y = torch.sigmoid(x * 2)       # mul saves nothing of x's storage (x is a leaf), sigmoid saves its output
 >>> m.total
 4000
+
+:func:`peak` is the other instrument: the peak of live tensor bytes over a region (forward and backward). On CPU
+there is no allocator counter, so it watches every operator through a ``TorchDispatchMode``: an output whose
+storage is new (not a storage of the operator's inputs, so views and in-place results do not count) is counted
+once, with ``untyped_storage().nbytes()``, and uncounted when its storage is freed (``weakref.finalize`` on the
+storage). ``peak_bytes`` is the largest total of such storages alive at once, measured after each operator: the
+bytes allocated inside the region above what was alive at entry. Memory an operator uses only while it runs
+(scratch space of a kernel) is not seen.
+
+>>> with memory.peak() as p:
+...     y = (x * 2).sum()
+>>> p.peak_bytes                       # x * 2 (4000 bytes) and the sum (4 bytes) are alive together
+4004
 """
 
 from __future__ import annotations
 
+import weakref
 from collections import defaultdict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
-__all__ = ["SavedBytes", "saved_bytes", "storage_key"]
+from ..errors import FewBitError
+
+__all__ = ["Peak", "SavedBytes", "peak", "saved_bytes", "storage_key"]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -55,6 +73,10 @@ class SavedBytes:
 
     def __str__(self) -> str:
         return f"{self.total} bytes saved for backward in {self.tensors} storages"
+
+    def contains(self, tensor: torch.Tensor) -> bool:
+        """Whether the storage behind ``tensor`` was counted as saved for backward."""
+        return storage_key(tensor) in self._seen
 
 
 @contextmanager
@@ -110,3 +132,141 @@ def saved_bytes(model: torch.nn.Module | None = None) -> Iterator[SavedBytes]:
             handle.remove()
         if model is not None:
             result.by_module = dict(by_module)
+
+
+@dataclass
+class Peak:
+    """What :func:`peak` measured (read the attributes after the block, or inside it for the values so far).
+
+    Attributes:
+        peak_bytes: the largest number of bytes of tensor storages allocated inside the region and alive at once,
+            measured after each operator (forward and backward alike). It is the peak above entry: storages alive
+            at entry are not in it.
+        baseline_bytes: bytes of the distinct storages of the tensors and modules (parameters, buffers, gradients)
+            passed to :func:`peak`, i.e. what is known to be alive at entry; ``max_bytes = baseline_bytes +
+            peak_bytes``.
+        live_bytes: bytes allocated inside the region that are alive now (at exit: those that outlived it).
+        allocated_bytes: bytes of all storages allocated inside the region, alive or not.
+        timeline: ``(operator name, live bytes after it)`` for each operator, when asked for (for plots).
+        cuda_peak_bytes: on CUDA, ``torch.cuda.max_memory_allocated()`` minus the allocated bytes at entry (the
+            allocator's view, with caching and scratch space); ``None`` where CUDA is not in use.
+    """
+
+    peak_bytes: int = 0
+    baseline_bytes: int = 0
+    live_bytes: int = 0
+    allocated_bytes: int = 0
+    timeline: list[tuple[str, int]] | None = None
+    cuda_peak_bytes: int | None = None
+
+    @property
+    def max_bytes(self) -> int:
+        """``baseline_bytes + peak_bytes``: the known bytes alive at the peak."""
+        return self.baseline_bytes + self.peak_bytes
+
+    def reset_peak(self) -> None:
+        """Restart the peak from the bytes alive now (like ``torch.cuda.reset_peak_memory_stats``)."""
+        self.peak_bytes = self.live_bytes
+
+    def __str__(self) -> str:
+        return f"peak {self.peak_bytes} bytes above a baseline of {self.baseline_bytes} bytes"
+
+
+class _PeakMode(TorchDispatchMode):
+    """Counts the new storages that operators return, and forgets them when they are freed."""
+
+    def __init__(self, result: Peak) -> None:
+        super().__init__()
+        self.result = result
+        self.finalizers: dict[int, weakref.finalize] = {}
+
+    def _freed(self, key: int, nbytes: int) -> None:
+        if self.finalizers.pop(key, None) is not None:
+            self.result.live_bytes -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = None
+        result = self.result
+        for tensor in tree_leaves(out):
+            if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
+                continue
+            try:
+                storage = tensor.untyped_storage()
+            except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, functional)
+                continue
+            key = id(storage)
+            if key in self.finalizers:
+                continue
+            if inputs is None:
+                inputs = {id(_storage_or_none(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+            if key in inputs:  # a view or an in-place result of an input: no new memory
+                continue
+            nbytes = int(storage.nbytes())
+            self.finalizers[key] = weakref.finalize(storage, self._freed, key, nbytes)
+            result.live_bytes += nbytes
+            result.allocated_bytes += nbytes
+        if result.live_bytes > result.peak_bytes:
+            result.peak_bytes = result.live_bytes
+        if result.timeline is not None:
+            result.timeline.append((str(func), result.live_bytes))
+        return out
+
+
+def _storage_or_none(tensor: torch.Tensor) -> torch.UntypedStorage | None:
+    try:
+        return tensor.untyped_storage()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
+def _baseline(objects: tuple[torch.Tensor | torch.nn.Module, ...]) -> int:
+    sizes: dict[tuple[str, int], int] = {}
+    for obj in objects:
+        if isinstance(obj, torch.nn.Module):
+            tensors = [t for p in obj.parameters() for t in (p, p.grad) if t is not None] + list(obj.buffers())
+        elif isinstance(obj, torch.Tensor):
+            tensors = [obj] if obj.grad is None else [obj, obj.grad]
+        else:
+            raise FewBitError(f"peak() takes tensors and modules alive at entry, got {type(obj).__name__}")
+        for tensor in tensors:
+            sizes[storage_key(tensor)] = _storage_nbytes(tensor)
+    return sum(sizes.values())
+
+
+@contextmanager
+def peak(*alive: torch.Tensor | torch.nn.Module, timeline: bool = False) -> Iterator[Peak]:
+    """Measure the peak of live tensor bytes allocated inside the block, forward and backward.
+
+    Args:
+        alive: tensors and modules alive at entry (inputs, the model); only their bytes are reported, as
+            ``baseline_bytes``: the peak is always measured above entry.
+        timeline: also record the live bytes after every operator in ``timeline``.
+
+    >>> import torch
+    >>> from fewbit_design.runtime import memory
+    >>> layer = torch.nn.Linear(100, 10, bias=False)
+    >>> x = torch.randn(32, 100)
+    >>> with memory.peak(layer, x) as p:
+    ...     layer(x).sum().backward()
+    >>> p.baseline_bytes, p.peak_bytes  # weight + x; in backward: loss, its ones gradient and the weight's gradient
+    (16800, 4008)
+    """
+    result = Peak(baseline_bytes=_baseline(alive), timeline=[] if timeline else None)
+    use_cuda = torch.cuda.is_available()
+    if use_cuda:
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        cuda_entry = torch.cuda.memory_allocated()
+    mode = _PeakMode(result)
+    try:
+        with mode:
+            yield result
+    finally:
+        for finalizer in mode.finalizers.values():
+            finalizer.detach()
+        mode.finalizers.clear()
+        if use_cuda:
+            torch.cuda.synchronize()
+            result.cuda_peak_bytes = int(torch.cuda.max_memory_allocated() - cuda_entry)
