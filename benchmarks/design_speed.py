@@ -27,9 +27,9 @@ from pathlib import Path
 import numba
 import numpy as np
 
-from fewbit_design import activations, dp
-from fewbit_design.integrals import Problem, make_grid, prefix_integrals
-from fewbit_design.weights import make_weight
+from fewbit_design.design import activations, dp
+from fewbit_design.design.integrals import Problem, make_grid, prefix_integrals
+from fewbit_design.design.weights import make_weight
 
 # The plain DP runs only up to this many cost evaluations (n^2 K / 2); beyond, it is skipped.
 PLAIN_LIMIT = 2e9

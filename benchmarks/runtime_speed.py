@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from fewbit_design import activations
+from fewbit_design.design import activations
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fewbit_nn

@@ -10,8 +10,10 @@ Terms used throughout the package:
 * **level**: the value y of the approximation for a code; q(x) = levels[codes[interval(x)]].
 * **error** L = integral of (f'(x) - q(x))**2 w(x) dx.
 
-This module imports nothing heavy: ``design``, ``Table`` and friends load on first use, and importing
-:mod:`fewbit_design.runtime` never loads scipy, matplotlib or numba.
+Where things are: :mod:`fewbit_design.design` (the math), :mod:`fewbit_design.table` (the table format),
+:mod:`fewbit_design.tables` (the shipped set), :mod:`fewbit_design.plots`, :mod:`fewbit_design.cli` (the command)
+and :mod:`fewbit_design.runtime` (PyTorch). This module imports nothing heavy: ``design``, ``Table`` and friends
+load on first use, and importing :mod:`fewbit_design.runtime` never loads scipy, matplotlib or numba.
 
 >>> import fewbit_design
 >>> table = fewbit_design.design("relu", 1)   # doctest: +SKIP
@@ -29,16 +31,23 @@ __all__ = ["__version__", "FewBitError", "Table", "design", "load"]
 _LAZY = {
     "Table": ("fewbit_design.table", "Table"),
     "load": ("fewbit_design.table", "load"),
-    "design": ("fewbit_design.design", "design"),
 }
+# ``fewbit_design.design`` is the design package; it is callable, so ``fewbit_design.design("gelu", 3)`` works.
+# The design math's modules are also reachable here by their short names (``from fewbit_design import snr``).
+_DESIGN_MODULES = ("design", "activations", "weights", "integrals", "dp", "refine", "snr")
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    import importlib
 
+    if name in _LAZY:
         module, attribute = _LAZY[name]
         value = getattr(importlib.import_module(module), attribute)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'fewbit_design' has no attribute {name!r}")
+    elif name == "design":
+        value = importlib.import_module("fewbit_design.design")
+    elif name in _DESIGN_MODULES:
+        value = importlib.import_module(f"fewbit_design.design.{name}")
+    else:
+        raise AttributeError(f"module 'fewbit_design' has no attribute {name!r}")
+    globals()[name] = value
+    return value

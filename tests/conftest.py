@@ -22,7 +22,7 @@ def _levelset_table(name, bits, params=None, weight="uniform"):
 def _cached_levelset_table(name, bits, params, weight):
     """A hand-made level-set table (independent of the design engine): 1-D k-means of f'(x) on a uniform grid of
     [-10, 10] (Lloyd from quantile starts), then boundaries where the nearest level changes along the grid."""
-    from fewbit_design import activations
+    from fewbit_design.design import activations
     from fewbit_design.table import Table
 
     bound = activations.bind(name, dict(params))

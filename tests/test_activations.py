@@ -10,7 +10,7 @@ import textwrap
 import numpy as np
 import pytest
 
-from fewbit_design import activations
+from fewbit_design.design import activations
 from fewbit_design.errors import FewBitError
 
 torch = pytest.importorskip("torch")
@@ -447,6 +447,6 @@ def test_user_activation_bad_specs(spec):
 
 
 def test_import_does_not_load_torch():
-    code = "import sys, fewbit_design.activations, fewbit_design.weights; print('torch' in sys.modules)"
+    code = "import sys, fewbit_design.design.activations, fewbit_design.design.weights; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"

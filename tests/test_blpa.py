@@ -14,8 +14,8 @@ from torch import nn
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import blpa, memory
-from fewbit_design.runtime.ops import blpa_quant as quant
-from fewbit_design.runtime.ops.packing import pack_reference, packed_nbytes
+from fewbit_design.runtime._packing import pack_reference, packed_nbytes
+from fewbit_design.runtime.blpa import quant
 
 DOUBLE = torch.float64
 

@@ -9,7 +9,7 @@ import torch
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import blpa
-from fewbit_design.runtime.ops import blpa_quant as quant
+from fewbit_design.runtime.blpa import quant
 
 pytest.importorskip("numba")
 

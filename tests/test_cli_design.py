@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 from scipy.integrate import quad
 
-from fewbit_design import activations, table
+from fewbit_design import table
 from fewbit_design.cli import main
-from fewbit_design.design import design
+from fewbit_design.design import activations, design
 
 
 def run(capsys, *argv: str) -> tuple[int, str, str]:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 
 from fewbit_design.cli import main
-from fewbit_design.shipped import TABLES_DIR
 from fewbit_design.table import load
+from fewbit_design.tables import TABLES_DIR
 
 
 def run(capsys, *args):

@@ -7,11 +7,11 @@ import pytest
 from scipy import integrate as scipy_integrate
 from scipy import optimize
 
-from fewbit_design import activations, table, weights
-from fewbit_design.design import design
+from fewbit_design import table
+from fewbit_design.design import activations, design, weights
+from fewbit_design.design.integrals import Antiderivative, Problem, make_grid
+from fewbit_design.design.refine import refine_intervals, refine_levelsets
 from fewbit_design.errors import FewBitError
-from fewbit_design.integrals import Antiderivative, Problem, make_grid
-from fewbit_design.refine import refine_intervals, refine_levelsets
 
 # The paper's Table 1: error (3) with w = 1 on [-10, 10], 1..4 bits (Swish = SiLU; sigmoid and tanh quantize |x|).
 PAPER_TABLE_1 = {

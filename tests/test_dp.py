@@ -7,7 +7,7 @@ import itertools
 import numpy as np
 import pytest
 
-from fewbit_design import dp
+from fewbit_design.design import dp
 
 
 def _prefix(masses: np.ndarray, values: np.ndarray, extra: np.ndarray | None = None) -> np.ndarray:

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 from scipy import integrate as scipy_integrate
 
-from fewbit_design import activations, weights
-from fewbit_design.integrals import (
+from fewbit_design.design import activations, weights
+from fewbit_design.design.integrals import (
     Antiderivative,
     Problem,
     cell_integrals,

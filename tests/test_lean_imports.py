@@ -31,7 +31,8 @@ after_import = [m for m in heavy if m in sys.modules]
 import torch
 from fewbit_design import runtime
 from fewbit_design.runtime import nn, functional, convert, tables, memory
-from fewbit_design.runtime.ops import fewbit, packing
+from fewbit_design.runtime import _packing as packing
+from fewbit_design.runtime.fewbit import ops as fewbit
 from fewbit_design.table import Table
 table = Table(activation='gelu', params={'approximate': 'none'}, bits=2, mode='levelsets', symmetric=False,
               weight={'kind': 'uniform', 'low': -10.0, 'high': 10.0}, boundaries=[-1.0, 0.0, 1.0],

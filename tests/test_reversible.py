@@ -16,6 +16,7 @@ from torch import nn
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import reversible as R
+from fewbit_design.runtime.reversible import _autograd as reversible_autograd
 
 BUILDERS = {"revnet": R.revnet, "hybrid": R.hybrid_net, "layerwise": R.layerwise_net}
 
@@ -223,8 +224,8 @@ def test_dropout_rng_states_are_saved_through_save_for_backward():
 def test_cuda_device_indices_pick_distinct_cuda_devices_only():
     devices = [torch.device("cpu"), torch.device("cuda", 1), torch.device("meta"), torch.device("cuda", 1)]
     devices.append(torch.device("cuda", 0))
-    assert R._cuda_device_indices(devices) == [1, 0]
-    assert R._cuda_device_indices([torch.device("cpu")]) == []
+    assert reversible_autograd._cuda_device_indices(devices) == [1, 0]
+    assert reversible_autograd._cuda_device_indices([torch.device("cpu")]) == []
 
 
 def test_rng_replay_sets_then_restores_every_device_state():
@@ -239,11 +240,11 @@ def test_rng_replay_sets_then_restores_every_device_state():
         fake[index] = state.clone()
 
     torch.manual_seed(7)
-    saved_states = R._capture_rng_state([0, 3], get_cuda_state=get_state)
+    saved_states = reversible_autograd._capture_rng_state([0, 3], get_cuda_state=get_state)
     assert len(saved_states) == 3 and torch.equal(saved_states[0], torch.get_rng_state())
     first = torch.rand(2)
     fake[0], fake[3] = torch.tensor([11]), torch.tensor([31])  # the devices' generators moved on
-    with R._replayed_rng(saved_states, [0, 3], get_cuda_state=get_state, set_cuda_state=set_state):
+    with reversible_autograd._replayed_rng(saved_states, [0, 3], get_cuda_state=get_state, set_cuda_state=set_state):
         assert torch.equal(torch.rand(2), first)  # CPU stream replayed
         assert int(fake[0]) == 10 and int(fake[3]) == 30  # CUDA states set to the saved ones
     assert calls == [(0, 10), (3, 30), (0, 11), (3, 31)]  # then given back

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from fewbit_design import activations, runtime
+from fewbit_design import runtime
+from fewbit_design.design import activations
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import functional as FF
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fnn
-from fewbit_design.runtime.ops import fewbit as op
+from fewbit_design.runtime.fewbit import ops as op
 
 NAMES = activations.names()
 EXTRA = ("bits", "weight", "mode", "table")

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from fewbit_design.errors import FewBitError
-from fewbit_design.runtime.ops import fewbit as op
-from fewbit_design.runtime.ops import packing
+from fewbit_design.runtime import _packing as packing
+from fewbit_design.runtime.fewbit import ops as op
 from fewbit_design.table import Table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -220,7 +220,7 @@ def test_boundaries_are_rounded_up_to_float32():
 
 
 def test_numba_work_split_uses_exact_64_bit_ranges():
-    from fewbit_design.runtime.ops import _numba_kernels as kernels
+    from fewbit_design.runtime.fewbit import _numba_kernels as kernels
 
     n = 3 * 2**31 + 5
     parts = kernels.split(n, 2)
@@ -231,7 +231,7 @@ def test_numba_work_split_uses_exact_64_bit_ranges():
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
 def test_numba_kernels_split_over_threads_agree(threads, monkeypatch):
-    from fewbit_design.runtime.ops import _numba_kernels as kernels
+    from fewbit_design.runtime.fewbit import _numba_kernels as kernels
 
     monkeypatch.setattr(kernels, "MIN_TASK", 8)
     table = random_table(bits=3, seed=9)
@@ -251,7 +251,7 @@ def test_numba_kernels_split_over_threads_agree(threads, monkeypatch):
 
 @needs_triton
 def test_triton_offsets_are_64_bit():
-    from fewbit_design.runtime.ops import _triton_kernels as kernels
+    from fewbit_design.runtime.fewbit import _triton_kernels as kernels
 
     block = 4
     pid = 2**30 + 7  # pid * block * 8 is far beyond 2**31

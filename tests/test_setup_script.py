@@ -291,7 +291,10 @@ def test_runtime_with_a_broken_torch_keeps_the_real_error(tmp_path: Path) -> Non
 
 
 def test_wheel_ships_every_table_without_packaging_warnings(tmp_path: Path) -> None:
-    """setup.cfg lists the data-only table folders (no "absent from the packages configuration") and ships the JSON."""
+    """setup.cfg lists the data-only table folders (no "absent from the packages configuration") and ships the JSON.
+
+    Builds in a copy of the package so that the shared working tree gets no build/ or egg-info folders.
+    """
     pytest.importorskip("setuptools")
     source = tmp_path / "source"
     source.mkdir()
@@ -318,3 +321,16 @@ def test_wheel_ships_every_table_without_packaging_warnings(tmp_path: Path) -> N
     assert "fewbit_design/tables/index.json" in shipped
     assert shipped - names == set()
     assert not [name for name in names if "__pycache__" in name]
+
+    # `pip install -e .` (what scripts/setup.sh runs): the same backend call pip makes, warnings shown.
+    editable = subprocess.run(
+        [sys.executable, "-W", "always", "-c", "import setuptools.build_meta as b; b.build_editable('editable')"],
+        cwd=source,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert editable.returncode == 0, editable.stderr[-2000:]
+    for warning in ("absent from the", "Editable installation", "meta path finder"):
+        assert warning not in editable.stdout + editable.stderr

@@ -6,10 +6,10 @@ import shutil
 
 import pytest
 
-from fewbit_design import activations
+from fewbit_design.design import activations
 from fewbit_design.errors import FewBitError
-from fewbit_design.shipped import TABLES_DIR, build, read_index, sample_specs, table_specs, verify
 from fewbit_design.table import load
+from fewbit_design.tables import TABLES_DIR, build, read_index, sample_specs, table_specs, verify
 
 
 def test_index_lists_the_whole_set_and_every_file_validates():

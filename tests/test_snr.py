@@ -14,7 +14,7 @@ import sys
 import numpy as np
 import pytest
 
-from fewbit_design import snr
+from fewbit_design.design import snr
 from fewbit_design.errors import FewBitError
 
 
@@ -189,7 +189,7 @@ def test_imports_stay_lean():
     import subprocess
 
     code = (
-        "import sys, fewbit_design.snr, fewbit_design.cli_snr\n"
+        "import sys, fewbit_design.design.snr, fewbit_design.cli.snr\n"
         "assert 'torch' not in sys.modules and 'scipy' not in sys.modules and 'matplotlib' not in sys.modules\n"
         "import fewbit_design.runtime.reversible\n"
         "assert 'scipy' not in sys.modules and 'matplotlib' not in sys.modules and 'numba' not in sys.modules\n"

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from fewbit_design import snr
-from fewbit_design.cli_snr import _measure_network
+from fewbit_design.cli.snr import _measure_network
+from fewbit_design.design import snr
 from fewbit_design.runtime import reversible as R
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")

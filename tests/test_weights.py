@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from scipy import integrate, stats
 
+from fewbit_design.design.weights import WEIGHT_KINDS, Weight, make_weight, silverman_bandwidth, weight_from_dict
 from fewbit_design.errors import FewBitError
-from fewbit_design.weights import WEIGHT_KINDS, Weight, make_weight, silverman_bandwidth, weight_from_dict
 
 # (kind, options, the matching scipy.stats distribution)
 PARAMETRIC = [

@@ -1,5 +1,18 @@
 """PyTorch runtime: few-bit activations that load design tables, BLPA, reversible layers, memory accounting.
 
+Where things are (one folder per technique, each with its module API, functional API and kernels):
+
+* :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, table loading, the op and its kernels);
+  :mod:`.nn`, :mod:`.functional`, :mod:`.convert` and :mod:`.tables` are its documented paths.
+* :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
+* :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
+* :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward).
+* :mod:`._packing` and :mod:`._numba_packing`: bit packing shared by the kernels of every technique.
+
+The runtime imports torch, numba lazily (CPU kernels), triton lazily (CUDA kernels), and from the design side only
+:mod:`fewbit_design.errors`, :mod:`fewbit_design.table` and :mod:`fewbit_design.design.activations`; never scipy,
+matplotlib or the CLI.
+
 Importing this package loads torch but never scipy or matplotlib, and numba only when a CPU kernel first runs.
 Submodules load on first attribute access, so ``from fewbit_design import runtime`` stays cheap.
 """
@@ -20,7 +33,7 @@ except ModuleNotFoundError as error:
         name="torch",
     ) from error
 
-_SUBMODULES = ("nn", "functional", "memory", "blpa", "reversible", "ops", "convert", "tables")
+_SUBMODULES = ("fewbit", "nn", "functional", "convert", "tables", "memory", "blpa", "reversible")
 _LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {}
 
 __all__ = list(_SUBMODULES) + list(_LAZY_ATTRIBUTES)

@@ -69,7 +69,7 @@ def _unpack(packed, bits, codes, start, stop):
 def tables(p, z, step, offset, r, gamma, beta, lut_a1, lut_a3, a1_table, mask_table):
     """Per channel and code: A1~ and A3~ in the compute dtype (``lut_a1``, ``lut_a3``), A1~ as float64
     (``a1_table``, after rounding to the compute dtype) and the mask (``mask_table``, 0 or 1); the formula of
-    :func:`fewbit_design.runtime.ops.blpa_quant.dequantize`, float64 arithmetic."""
+    :func:`fewbit_design.runtime.blpa.quant.dequantize`, float64 arithmetic."""
     channels, levels = lut_a1.shape
     for c in range(channels):
         for k in range(levels):

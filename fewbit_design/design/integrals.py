@@ -23,7 +23,7 @@ from collections.abc import Callable, Iterable, Sequence
 import numba
 import numpy as np
 
-from .errors import FewBitError
+from ..errors import FewBitError
 
 __all__ = [
     "Problem",

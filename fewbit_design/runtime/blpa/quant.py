@@ -48,7 +48,7 @@ import numpy as np
 import torch
 
 from ...errors import FewBitError, check_choice
-from .packing import pack, packed_nbytes, unpack
+from .._packing import pack, packed_nbytes, unpack
 
 __all__ = [
     "ChannelGrid",
@@ -292,7 +292,7 @@ def _run_planes(kernel, planes: int, inner: int, *args) -> None:
 
 def _kernel_tables(grid: ChannelGrid, gamma: torch.Tensor, beta: torch.Tensor, dtype: torch.dtype):
     """(lut_a1, lut_a3, a1_table, mask_table) of shape (C, 2**K), built by the numba kernel."""
-    from . import _blpa_numba as kernels
+    from . import _numba_kernels as kernels
 
     numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
     shape = (gamma.numel(), 1 << grid.bits)
@@ -317,7 +317,7 @@ def forward_kernel(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(A3, stored)``: A3 in the compute dtype (relu of A2, or of A2~ when naive) and what backward keeps (the
     packed codes, or A1 when ``bits`` is None), computed in one fused pass (numba)."""
-    from . import _blpa_numba as kernels
+    from . import _numba_kernels as kernels
 
     dtype = invstd.dtype
     numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
@@ -353,7 +353,7 @@ class _Decoder:
     def __init__(
         self, stored: torch.Tensor, shape: torch.Size, gamma: torch.Tensor, beta: torch.Tensor, bits, dtype
     ) -> None:
-        from . import _blpa_numba as kernels
+        from . import _numba_kernels as kernels
 
         numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
         channels, planes, inner = _layout(shape)
@@ -383,7 +383,7 @@ def decoder(
 
 def decode_a3_kernel(state: _Decoder, shape: torch.Size, dtype: torch.dtype) -> torch.Tensor:
     """A3~ (compute dtype, ``shape``) from what the forward stored (numba)."""
-    from . import _blpa_numba as kernels
+    from . import _numba_kernels as kernels
 
     channels, planes, inner = _layout(shape)
     a3 = torch.empty(shape, dtype=dtype)
@@ -399,7 +399,7 @@ def backward_kernel(
     state: _Decoder, grad_a3: torch.Tensor, gamma: torch.Tensor, invstd: torch.Tensor, need_x: bool
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """``(grad_beta, grad_gamma, grad_x)`` (float64, float64, compute dtype) of eqs. (6)-(8) (numba)."""
-    from . import _blpa_numba as kernels
+    from . import _numba_kernels as kernels
 
     dtype = invstd.dtype
     shape = grad_a3.shape

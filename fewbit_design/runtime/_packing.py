@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from ...errors import FewBitError
+from ..errors import FewBitError
 
 __all__ = ["packed_nbytes", "pack_reference", "unpack_reference", "pack", "unpack"]
 
@@ -79,7 +79,7 @@ def pack(codes: torch.Tensor, bits: int) -> torch.Tensor:
         return pack_reference(codes, bits)
     if codes.dtype.is_floating_point or codes.dtype.is_complex or codes.dtype == torch.bool:
         raise FewBitError(f"codes must be an integer tensor, got {codes.dtype}")
-    from . import _numba_kernels as kernels
+    from . import _numba_packing as kernels
 
     flat = codes.detach().reshape(-1).contiguous()
     out = torch.empty(packed_nbytes(flat.numel(), bits), dtype=torch.uint8)
@@ -97,7 +97,7 @@ def unpack(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
             f"packed codes must be ceil({numel}/8)*{bits} = {packed_nbytes(numel, bits)} uint8 bytes, "
             f"got {packed.numel()} {packed.dtype}"
         )
-    from . import _numba_kernels as kernels
+    from . import _numba_packing as kernels
 
     out = torch.empty(int(numel), dtype=torch.int64)
     kernels.run(kernels.unpack_codes, int(numel), packed.detach().reshape(-1).contiguous().numpy(), bits, out.numpy())

@@ -9,9 +9,9 @@ from typing import Any
 
 import click
 
-from .cli import WEIGHT_KINDS, cli, weight_options
-from .errors import FewBitError, parse_int_spec
-from .table import check_writable
+from ..errors import FewBitError, parse_int_spec
+from ..table import check_writable
+from ._options import WEIGHT_KINDS, cli, weight_options
 
 # Activations of the default `curves` figure: the paper's Table 1 and the other smooth ones.
 DEFAULT_CURVES = ("gelu", "silu", "mish", "selu", "elu", "softplus", "sigmoid", "tanh", "logsigmoid", "softsign")
@@ -38,8 +38,8 @@ def tables_group() -> None:
 @click.option("--activation", "activations", multiple=True, help="Only these activations (repeatable).")
 def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]) -> None:
     """Regenerate every shipped table deterministically (same bytes on every run)."""
-    from . import activations as registry
-    from .shipped import build, table_specs
+    from ..design import activations as registry
+    from ..tables import build, table_specs
 
     names = [registry.get(name).name for name in activations] or None
     total = len(table_specs(names))
@@ -67,8 +67,8 @@ def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]
 @click.option("--activation", "activations", multiple=True, help="Recompute only these activations (repeatable).")
 def tables_verify(root: str | None, sample: int | None, seed: int, activations: tuple[str, ...]) -> None:
     """Validate every shipped table and recompute them (or a sample); fail naming the table and field."""
-    from . import activations as registry
-    from .shipped import read_index, sample_specs, table_specs, verify
+    from ..design import activations as registry
+    from ..tables import read_index, sample_specs, table_specs, verify
 
     read_index(root)  # a missing or broken index is one clear error, before any work
     names = [registry.get(name).name for name in activations] or None
@@ -84,7 +84,7 @@ def tables_verify(root: str | None, sample: int | None, seed: int, activations: 
 
 
 def weight_kwargs(weight: str, loc, scale, df, samples, design_range) -> dict[str, Any]:
-    from .errors import check_choice
+    from ..errors import check_choice
 
     weight = check_choice("--weight", weight, WEIGHT_KINDS)
     kwargs: dict[str, Any] = {"weight": weight, "low": design_range[0], "high": design_range[1]}
@@ -110,9 +110,9 @@ def get_table(bound, bits: int, mode: str, kwargs: dict[str, Any]):
 
     In intervals mode an activation with an even derivative gets the symmetric design (as shipped).
     """
-    from .design import design
-    from .shipped import TABLES_DIR, TableSpec
-    from .table import load
+    from ..design import design
+    from ..table import load
+    from ..tables import TABLES_DIR, TableSpec
 
     symmetric = mode == "intervals" and bound.even
     weight_name = _shipped_weight_name(kwargs)
@@ -125,7 +125,7 @@ def get_table(bound, bits: int, mode: str, kwargs: dict[str, Any]):
 
 
 def _param_dict(params: tuple[str, ...]) -> dict[str, Any]:
-    from .activations import parse_param
+    from ..design.activations import parse_param
 
     return dict(parse_param(text) for text in params)
 
@@ -140,15 +140,15 @@ def _param_dict(params: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 def plot_command(activation, bits_spec, mode, weight, loc, scale, df, samples, design_range, params, out, force):
     """One panel per bit width: f'(x), the step function q(x), the weight shaded, the error in the title."""
-    from .activations import bind
+    from ..design.activations import bind
 
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bound = bind(activation, _param_dict(params))
     kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
     check_writable(out, force=force)
     tables = [get_table(bound, bits, mode, kwargs) for bits in bits_list]
-    from .plots import plot_bits_grid
-    from .weights import make_weight
+    from ..design.weights import make_weight
+    from ..plots import plot_bits_grid
 
     plot_bits_grid(tables, bound, make_weight(**_weight_only(kwargs)), out)
     click.echo(f"wrote {out}")
@@ -168,7 +168,7 @@ def _weight_only(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def curves_command(activations, bits_spec, weight, loc, scale, df, samples, design_range, out, csv_path, force):
     """Error (log scale) and SNR in dB against bits, both modes side by side; the numbers as a text table."""
-    from .activations import bind
+    from ..design.activations import bind
 
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bounds = [bind(name) for name in (activations or DEFAULT_CURVES)]
@@ -192,7 +192,7 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
                     }
                 )
     click.echo(format_curves_table(rows, bits_list))
-    from .plots import plot_curves
+    from ..plots import plot_curves
 
     plot_curves(rows, out, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]")
     if csv_path:
@@ -216,7 +216,7 @@ def format_curves_table(rows: list[dict[str, Any]], bits_list: list[int]) -> str
 
 
 def write_curves_csv(rows: list[dict[str, Any]], path: str, *, force: bool) -> None:
-    from .table import write_text_atomic
+    from ..table import write_text_atomic
 
     header = "activation,mode,symmetric,bits,error,snr_db"
     lines = [header] + [

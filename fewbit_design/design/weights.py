@@ -34,7 +34,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FewBitError, check_choice, check_finite, check_positive, check_range
+from ..errors import FewBitError, check_choice, check_finite, check_positive, check_range
 
 __all__ = ["WEIGHT_KINDS", "Weight", "make_weight", "weight_from_dict", "EMPIRICAL_GRID"]
 

@@ -7,9 +7,9 @@ Two modes:
 * **approximation** (``--bits 1-8 ACTIVATION...``): the SNR in dB of the few-bit derivative approximations
   against the number of bits. Needs only the design engine.
 
-The reconstruction theory: batch-norm and leaky-ReLU factors from the closed forms of :mod:`fewbit_design.snr`
+The reconstruction theory: batch-norm and leaky-ReLU factors from the closed forms of :mod:`fewbit_design.design.snr`
 evaluated with each layer's measured input statistics; other blocks (couplings, poolings) with their factor
-measured by noise injection; the chain by :func:`fewbit_design.snr.accumulated_snr_db` (eq. 19: factors multiply
+measured by noise injection; the chain by :func:`fewbit_design.design.snr.accumulated_snr_db` (eq. 19: factors multiply
 along the chain), where each block also adds its own round-trip rounding error, measured on that block alone.
 """
 
@@ -23,10 +23,10 @@ from typing import Any
 import click
 import numpy as np
 
-from . import snr as theory
-from .cli import cli
-from .errors import FewBitError, check_choice, check_positive, parse_int_spec
-from .table import check_writable, write_bytes_atomic, write_text_atomic
+from ..design import snr as theory
+from ..errors import FewBitError, check_choice, check_positive, parse_int_spec
+from ..table import check_writable, write_bytes_atomic, write_text_atomic
+from ._options import cli
 
 ARCHS = ("layerwise", "hybrid", "both")
 DTYPES = ("float32", "float64")
@@ -190,7 +190,7 @@ def _pyplot() -> Any:
 
 def _approximation(activations: list[str], bits: list[int], *, weight: str, mode: str):
     try:
-        from .design import design  # noqa: F401
+        from ..design import design  # noqa: F401
     except ImportError:
         raise FewBitError("the design engine (fewbit_design.design) is not available in this installation") from None
     rows = []
@@ -255,7 +255,7 @@ def _measure_network(arch: str, slope: float, depth: int, *, channels, batch, si
 
 def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed):
     torch = _import_torch()
-    from .runtime import reversible
+    from ..runtime import reversible
 
     rows: list[dict[str, Any]] = []
 

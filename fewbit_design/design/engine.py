@@ -36,12 +36,12 @@ from typing import Any
 
 import numpy as np
 
+from .._version import __version__
+from ..errors import FewBitError, check_bits, check_choice, check_range
+from ..table import MODES, Table, format_float
 from . import activations as registry
-from ._version import __version__
-from .errors import FewBitError, check_bits, check_choice, check_range
 from .integrals import Antiderivative, Problem, cell_integrals, integrate, make_grid, prefix_integrals, split_at
 from .refine import refine_intervals, refine_levelsets, regions_loss
-from .table import MODES, Table, format_float
 from .weights import Weight, make_weight
 
 __all__ = ["design", "default_grid", "table_error", "signal_power"]
@@ -157,10 +157,10 @@ def design(
 ) -> Table:
     """Design the optimal ``bits``-bit piecewise-constant approximation of an activation's derivative.
 
-    ``activation`` is a registry name (``fewbit-design list``), an :class:`~fewbit_design.activations.Activation`
-    (bound with ``params``) or a :class:`~fewbit_design.activations.BoundActivation`. ``weight`` is a kind
+    ``activation`` is a registry name (``fewbit-design list``), an :class:`~fewbit_design.design.activations.Activation`
+    (bound with ``params``) or a :class:`~fewbit_design.design.activations.BoundActivation`. ``weight`` is a kind
     (uniform, normal, laplace, student-t, empirical, with ``loc``, ``scale``, ``df``, ``samples``) on the design range
-    [``low``, ``high``], or a :class:`~fewbit_design.weights.Weight`, whose own range is then used. ``mode`` is
+    [``low``, ``high``], or a :class:`~fewbit_design.design.weights.Weight`, whose own range is then used. ``mode`` is
     ``'levelsets'`` or ``'intervals'``; ``symmetric`` (intervals only) quantizes |x|. ``grid`` overrides the default
     grid size and ``spacing='uniform'`` spaces it evenly (the paper's grid) instead of following w (f'')^2;
     ``refine=False`` keeps the grid DP's solution. ``progress`` receives a short message per stage.

@@ -7,7 +7,7 @@ derivative is approximated by q(x) = levels[code(x)].
 Contract (DESIGN.md "Runtime contract"):
 
 * forward returns exactly what the native op returns (it *is* the native op, run without recording autograd), and
-  saves only the packed codes of x (``ceil(n / 8) * bits`` bytes, layout in :mod:`.packing`) plus the constant-size
+  saves only the packed codes of x (``ceil(n / 8) * bits`` bytes, layout in :mod:`.._packing`) plus the constant-size
   level tensors;
 * backward returns ``grad * levels[code]`` computed in float32 (float64 for float64 gradients), in grad's dtype;
 * the code of x is found by comparing x with the boundaries in the compute dtype (float64 for float64 x, else
@@ -48,7 +48,7 @@ import torch
 
 from ...errors import FewBitError, check_choice
 from ...table import Table
-from .packing import pack_reference, packed_nbytes, unpack_reference
+from .._packing import pack_reference, packed_nbytes, unpack_reference
 
 __all__ = [
     "BACKENDS",

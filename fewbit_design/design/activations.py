@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FewBitError, close_matches
+from ..errors import FewBitError, close_matches
 
 __all__ = [
     "Activation",

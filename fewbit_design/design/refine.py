@@ -11,7 +11,7 @@
   precision); levels move to the conditional means E[f'(X) | code] (Lloyd) or by a damped Newton step on the
   distortion when that is better. No accepted step raises L; the best table seen is returned.
 
-Moments come from an :class:`~fewbit_design.integrals.Antiderivative` (exact Gauss-Legendre on a fine panel grid).
+Moments come from an :class:`~.integrals.Antiderivative` (exact Gauss-Legendre on a fine panel grid).
 """
 
 from __future__ import annotations
@@ -321,7 +321,7 @@ class _Scan:
         self.values = np.asarray(problem.df(self.grid), dtype=np.float64)
         if not np.all(np.isfinite(self.values)):
             bad = float(self.grid[~np.isfinite(self.values)][0])
-            from .errors import FewBitError
+            from ..errors import FewBitError
 
             raise FewBitError(f"{problem.name} is not finite at x={bad:g} inside the design range")
         span = max(abs(problem.low), abs(problem.high), 1.0)

@@ -10,8 +10,8 @@ from typing import Any
 import click
 import numpy as np
 
-from .cli import WEIGHT_KINDS, cli, weight_options
-from .errors import FewBitError, check_bits, check_choice, check_range
+from ..errors import FewBitError, check_bits, check_choice, check_range
+from ._options import WEIGHT_KINDS, cli, weight_options
 
 MODES = ("levelsets", "intervals")
 
@@ -23,7 +23,7 @@ def _progress(message: str) -> None:
 
 
 def _bound_activation(activation: str | None, module: str | None, params: tuple[str, ...]):
-    from . import activations
+    from ..design import activations
 
     parsed = dict(activations.parse_param(text) for text in params)
     if module and activation:
@@ -124,9 +124,9 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
       fewbit-design leaky_relu --param negative_slope=0.2 --bits 2 --out leaky.json
       fewbit-design gelu --bits 1 --mode intervals --grid 1001 --spacing uniform --no-refine   (paper, Table 1)
     """
-    from .design import design
-    from .table import check_writable
-    from .weights import make_weight
+    from ..design import design
+    from ..design.weights import make_weight
+    from ..table import check_writable
 
     # Every input is checked before any work.
     bits = check_bits(bits, name="--bits")
@@ -153,7 +153,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     if out is not None:
         table.save(out, force=force)
     if plot is not None:
-        from .plots import plot_table
+        from ..plots import plot_table
 
         plot_table(table, bound, w, plot)
     if as_json:
@@ -168,7 +168,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
 @cli.command("list")
 def list_command() -> None:
     """Every activation with its parameters and defaults."""
-    from . import activations
+    from ..design import activations
 
     rows = [("activation", "parameters (defaults)", "f' even", "formula")]
     for name in activations.names():

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from .errors import FewBitError
-from .table import Table, load, write_text_atomic
+from ..errors import FewBitError
+from ..table import Table, load, write_text_atomic
 
 __all__ = [
     "INDEX_FORMAT",
@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 INDEX_FORMAT = "fewbit-index/1"
-TABLES_DIR = Path(__file__).resolve().parent / "tables"
+TABLES_DIR = Path(__file__).resolve().parent
 RANGE = (-10.0, 10.0)
 # weight name in the index -> keyword arguments of design()
 SHIPPED_WEIGHTS: dict[str, dict[str, Any]] = {
@@ -64,7 +64,7 @@ class TableSpec:
 
     def design(self) -> Table:
         """Compute this table (deterministic: fixed range, default grid and refinement)."""
-        from .design import design
+        from ..design import design
 
         return design(
             self.activation,
@@ -79,7 +79,7 @@ class TableSpec:
 
 def table_specs(activations: Iterable[str] | None = None) -> list[TableSpec]:
     """Every table of the shipped set, in a fixed order (optionally only for some activations)."""
-    from . import activations as registry
+    from ..design import activations as registry
 
     names = list(activations) if activations is not None else registry.names()
     specs = []

@@ -1,27 +1,24 @@
-"""The ``fewbit-design`` command.
+"""The ``fewbit-design`` command group and the options its command families share.
 
-``fewbit-design ACTIVATION [options]`` designs one table (the default command); the named subcommands
-(``list``, ``tables``, ``plot``, ``curves``, ``snr``) do the rest. Every user error prints one line on stderr,
-``fewbit-design: error: ...``, and exits with status 2: no traceback and no partial output file.
+The bottom of the CLI: every command module (:mod:`.design`, :mod:`.tables`, :mod:`.snr`) registers its commands
+on :data:`cli` from here, and :mod:`fewbit_design.cli` imports those modules. Imports go downward only.
 """
 
 from __future__ import annotations
 
-import sys
-from collections.abc import Sequence
-
 import click
 
-from ._version import __version__
-from .errors import FewBitError
-from .weights import WEIGHT_KINDS
+from .._version import __version__
+from ..design.weights import WEIGHT_KINDS
+
+__all__ = ["PROG", "WEIGHT_KINDS", "cli", "weight_options"]
 
 PROG = "fewbit-design"
 
 
 def weight_options(function):
     """The weight options shared by every command that designs tables: --weight, --loc, --scale, --df, --samples,
-    --range. Values are checked by :func:`fewbit_design.weights.make_weight` (one line naming the constraint)."""
+    --range. Values are checked by :func:`fewbit_design.design.weights.make_weight` (one line naming the constraint)."""
     options = [
         click.option(
             "--weight",
@@ -79,30 +76,3 @@ def cli() -> None:
       fewbit-design silu --bits 4 --mode intervals --json | jq .error
       fewbit-design list
     """
-
-
-def _fail(message: str) -> None:
-    click.echo(f"{PROG}: error: {message}", err=True)
-    sys.exit(2)
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2."""
-    # Commands register themselves on import; importing here keeps `import fewbit_design.cli` cheap.
-    from . import _commands  # noqa: F401
-
-    try:
-        cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
-    except click.exceptions.Exit as exc:
-        sys.exit(exc.exit_code)
-    except click.Abort:
-        click.echo(f"{PROG}: aborted", err=True)
-        sys.exit(1)
-    except click.ClickException as exc:
-        _fail(exc.format_message().replace("\n", " "))
-    except FewBitError as exc:
-        _fail(str(exc))
-    except KeyboardInterrupt:
-        click.echo(f"{PROG}: interrupted", err=True)
-        sys.exit(130)
-    sys.exit(0)

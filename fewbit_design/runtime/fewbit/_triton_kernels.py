@@ -4,7 +4,7 @@ Triton reads ``TRITON_INTERPRET`` when a kernel is decorated, i.e. when this mod
 ``TRITON_INTERPRET=1`` (environment, or ``triton.knobs.runtime.interpret = True``) before the first import to run
 these kernels on CPU tensors through the interpreter, as the tests do.
 
-Each program handles ``BLOCK_GROUPS`` groups of 8 consecutive elements (the packing layout of :mod:`.packing`);
+Each program handles ``BLOCK_GROUPS`` groups of 8 consecutive elements (the layout of :mod:`.._packing`);
 offsets are computed in int64 so tensors with more than 2**31 elements are addressed correctly.
 """
 

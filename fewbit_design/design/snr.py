@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from .errors import FewBitError, check_finite
+from ..errors import FewBitError, check_finite
 
 __all__ = [
     "effective_gamma",
@@ -312,7 +312,7 @@ def rounding_snr_db(dtype: str = "float32") -> float:
     (p = 24), 56.6 dB for bfloat16, 327.5 dB for float64. A layer's round trip rounds a few times, so its own
     error (the ``fresh_snr_db`` of :func:`accumulated_snr_db`) sits a few dB below this.
     """
-    from .errors import check_choice
+    from ..errors import check_choice
 
     check_choice("dtype", dtype, list(_MANTISSA_BITS))
     p = _MANTISSA_BITS[dtype]
@@ -325,7 +325,7 @@ def approximation_snr_db(activation: str, bits: Sequence[int], **options: Any) -
     Calls :func:`fewbit_design.design.design` (``options`` are passed through: ``weight``, ``mode``, ...) and
     returns ``(bits, snr_db, error)`` per entry. ``snr_db = 10 log10(integral f'^2 w / L)``.
     """
-    from .design import design
+    from .engine import design
 
     rows = []
     for b in bits:

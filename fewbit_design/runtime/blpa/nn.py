@@ -1,37 +1,6 @@
-"""BLPA: backprop with approximate activations (Chakrabarti & Moseley), as fused BatchNorm-ReLU-Conv/Linear units.
+"""The fused BLPA units ``BatchNorm -> ReLU -> Conv2d/Linear`` and their autograd function.
 
-The forward pass is exact. Each unit ``BatchNorm -> ReLU -> Conv2d/Linear`` keeps for backward only a K-bit
-copy of its pre-ReLU activation ``A2`` (packed, K bits per element), the per-channel inverse standard deviation,
-and its parameters; backward follows eqs. (5)-(8) of the paper:
-
-* the gradient to W (and the bias) uses ``A3~ = relu(A2~)``;
-* the gradient through the linear op, the ReLU (mask from the codes, exact by construction), to beta and through
-  the scale to A1 are exact;
-* the gradient to gamma uses ``A1~``; BatchNorm's input gradient uses ``A1~`` only in its variance term.
-
-``bits=None`` is the paper's "exact" fused baseline (one full-precision tensor per unit: the normalized input A1,
-from which A2 = gamma * A1 + beta is recomputed bitwise; storing A1 rather than A2 costs the same and stays exact
-when gamma == 0). ``naive=True`` is the paper's naive baseline: the quantized activation also feeds the forward
-pass (with the same backward), so errors accumulate across layers; the paper saw it fail at depth 164.
-
-The quantizer (eqs. 9-10, made sign-preserving in every case) is documented in
-:mod:`fewbit_design.runtime.ops.blpa_quant`.
-
-On CPU (float32/float64) the element-wise work runs in fused numba kernels that match the torch reference bitwise
-on codes and forward outputs (:func:`set_backend` picks 'auto', 'torch' or 'numba'); elsewhere the reference runs.
-
-In eval mode (with running statistics) a unit runs the plain exact forward through ``torch.nn.functional``
-(nothing of its own is saved; if you backpropagate in eval mode, autograd saves what the plain ops need).
-
->>> import torch
->>> from fewbit_design.runtime import blpa
->>> unit = blpa.BNReLUConv2d(8, 16, 3, padding=1, bits=4)
->>> out = unit(torch.randn(2, 8, 5, 5))
->>> out.shape
-torch.Size([2, 16, 5, 5])
->>> model = blpa.convert(torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.ReLU(), torch.nn.Linear(4, 2)))
->>> type(model[0]).__name__
-'BNReLULinear'
+See :mod:`fewbit_design.runtime.blpa` for the method.
 """
 
 from __future__ import annotations
@@ -43,20 +12,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..errors import FewBitError, check_bits
-from .ops import blpa_quant as quant
+from ...errors import FewBitError, check_bits
+from . import quant
 
-__all__ = [
-    "BNReLUConv2d",
-    "BNReLULinear",
-    "BNReLUPoolLinear",
-    "PreActBottleneck",
-    "PreActResNet",
-    "preact_resnet",
-    "convert",
-    "set_backend",
-    "unit_backward",
-]
+__all__ = ["BNReLUConv2d", "BNReLULinear", "BNReLUPoolLinear", "set_backend", "unit_backward"]
 
 set_backend = quant.set_backend
 
@@ -550,154 +509,3 @@ class BNReLUPoolLinear(_FusedUnit):
         bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, **factory)
         linear = nn.Linear(in_channels, out_features, bias, **factory)
         self._setup(bn, [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()], linear, bits, naive)
-
-
-# ----------------------------------------------------------------------------------------------- network builder
-
-
-class PreActBottleneck(nn.Module):
-    """Pre-activation bottleneck residual unit (He et al. 2016) built from three fused BN-ReLU-Conv units.
-
-    The shortcut is parameter-free: identity, or a strided subsample with zero-padded extra channels.
-    """
-
-    expansion = 4
-
-    def __init__(self, in_channels: int, planes: int, stride: int = 1, *, bits: int | None = 4, naive: bool = False):
-        super().__init__()
-        out_channels = planes * self.expansion
-        self.units = nn.Sequential(
-            BNReLUConv2d(in_channels, planes, 1, bits=bits, naive=naive),
-            BNReLUConv2d(planes, planes, 3, stride=stride, padding=1, bits=bits, naive=naive),
-            BNReLUConv2d(planes, out_channels, 1, bits=bits, naive=naive),
-        )
-        self.stride = stride
-        self.extra_channels = out_channels - in_channels
-        assert self.extra_channels >= 0
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shortcut = x
-        if self.stride != 1:
-            shortcut = shortcut[:, :, :: self.stride, :: self.stride]
-        if self.extra_channels:
-            shortcut = F.pad(shortcut, (0, 0, 0, 0, 0, self.extra_channels))
-        return self.units(x) + shortcut
-
-
-class PreActResNet(nn.Module):
-    """CIFAR-style pre-activation bottleneck ResNet of depth 9n + 2 (see :func:`preact_resnet`)."""
-
-    def __init__(
-        self,
-        blocks_per_stage: int,
-        num_classes: int = 10,
-        *,
-        bits: int | None = 4,
-        width: int = 1,
-        naive: bool = False,
-        in_channels: int = 3,
-    ) -> None:
-        super().__init__()
-        base = 16 * width
-        self.stem = nn.Conv2d(in_channels, base, 3, padding=1, bias=False)
-        stages = []
-        channels = base
-        for index, planes in enumerate((base, 2 * base, 4 * base)):
-            blocks = []
-            for block in range(blocks_per_stage):
-                stride = 2 if index > 0 and block == 0 else 1
-                blocks.append(PreActBottleneck(channels, planes, stride, bits=bits, naive=naive))
-                channels = planes * PreActBottleneck.expansion
-            stages.append(nn.Sequential(*blocks))
-        self.stages = nn.Sequential(*stages)
-        self.head = BNReLUPoolLinear(channels, num_classes, bits=bits, naive=naive)
-        for module in self.modules():
-            if isinstance(module, nn.Conv2d):
-                nn.init.kaiming_normal_(module.weight, mode="fan_out", nonlinearity="relu")
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.head(self.stages(self.stem(x)))
-
-
-def preact_resnet(
-    depth: int,
-    num_classes: int = 10,
-    *,
-    bits: int | None = 4,
-    width: int = 1,
-    naive: bool = False,
-    in_channels: int = 3,
-) -> PreActResNet:
-    """The paper's pre-activation bottleneck ResNet for CIFAR: depth 9n + 2 (164: n = 18, 1001: n = 111).
-
-    Stages of n bottleneck units with 16, 32, 64 (times ``width``) bottleneck channels and 4x that on the residual
-    path, parameter-free shortcuts, a 3x3 stem convolution and a BN-ReLU-pool-linear head. Every BN-ReLU-Conv is a
-    fused unit storing ``bits`` bits per element (``bits=None``: exact fused baseline; ``naive=True``: naive).
-
-    >>> model = preact_resnet(20, bits=4)
-    >>> model(torch.randn(2, 3, 32, 32)).shape
-    torch.Size([2, 10])
-    """
-    if isinstance(depth, bool) or not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
-        raise FewBitError(
-            f"preact_resnet: depth must be 9n + 2 with n >= 1 (11, 20, ..., 164, ..., 1001), got {depth!r}"
-        )
-    for name, value in (("num_classes", num_classes), ("width", width), ("in_channels", in_channels)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise FewBitError(f"preact_resnet: {name} must be a positive integer, got {value!r}")
-    bits = _check_unit_bits("preact_resnet", bits, naive)
-    return PreActResNet((depth - 2) // 9, num_classes, bits=bits, width=width, naive=naive, in_channels=in_channels)
-
-
-# ------------------------------------------------------------------------------------------------------ convert
-
-_PATTERNS: tuple[tuple[type, type, type[_FusedUnit]], ...] = (
-    (nn.BatchNorm2d, nn.Conv2d, BNReLUConv2d),
-    (nn.BatchNorm1d, nn.Linear, BNReLULinear),
-)
-
-
-def convert(model: nn.Module, *, bits: int | None = 4, naive: bool = False, strict: bool = False) -> nn.Module:
-    """Fuse every ``BatchNorm2d -> ReLU -> Conv2d`` and ``BatchNorm1d -> ReLU -> Linear`` run in ``nn.Sequential``
-    containers of ``model`` (recursively) into BLPA units; returns ``model`` (changed in place).
-
-    The fused unit takes the place of the BatchNorm and reuses the original modules (parameters, running
-    statistics and hyper-parameters are shared, so an optimizer built before ``convert`` keeps working); the ReLU and
-    the Conv/Linear positions become ``nn.Identity`` so other indices stay valid. Runs that match by type but cannot
-    be fused (affine=False, channel mismatch, padding_mode other than 'zeros') are left alone, or raise with
-    ``strict=True``.
-
-    >>> seq = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 3))
-    >>> [type(m).__name__ for m in convert(seq, bits=8)]
-    ['BNReLUConv2d', 'Identity', 'Identity']
-    """
-    if not isinstance(model, nn.Module):
-        raise FewBitError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
-    bits = _check_unit_bits("convert", bits, naive)
-    for module in list(model.modules()):
-        if isinstance(module, nn.Sequential):
-            _fuse_sequential(module, bits, naive, strict)
-    return model
-
-
-def _fuse_sequential(seq: nn.Sequential, bits: int | None, naive: bool, strict: bool) -> None:
-    keys = list(seq._modules)
-    index = 0
-    while index + 2 < len(keys):
-        first, second, third = (seq._modules[key] for key in keys[index : index + 3])
-        unit = None
-        for bn_type, op_type, unit_type in _PATTERNS:
-            if isinstance(first, bn_type) and isinstance(second, nn.ReLU) and isinstance(third, op_type):
-                try:
-                    unit = unit_type.from_modules(first, second, third, bits=bits, naive=naive)
-                except FewBitError:
-                    if strict:
-                        raise
-                break
-        if unit is None:
-            index += 1
-            continue
-        seq._modules[keys[index]] = unit
-        seq._modules[keys[index + 1]] = nn.Identity()
-        seq._modules[keys[index + 2]] = nn.Identity()
-        index += 3

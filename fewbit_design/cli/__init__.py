@@ -1,0 +1,48 @@
+"""The ``fewbit-design`` command.
+
+``fewbit-design ACTIVATION [options]`` designs one table (the default command); the named subcommands
+(``list``, ``tables``, ``plot``, ``curves``, ``snr``) do the rest. Every user error prints one line on stderr,
+``fewbit-design: error: ...``, and exits with status 2: no traceback and no partial output file.
+
+Layout (imports go downward only): :mod:`._options` holds the group and the shared options; one module per
+command family registers its commands on the group (:mod:`.design`: design and list; :mod:`.tables`: tables,
+plot, curves; :mod:`.snr`: snr); this package imports them and runs the group. The CLI may import everything
+below it (the design math, tables, plots, and the runtime lazily, inside a command); nothing imports the CLI.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+
+import click
+
+from ..errors import FewBitError
+from . import design, snr, tables  # noqa: F401  (each registers its commands on the group)
+from ._options import PROG, cli
+
+__all__ = ["cli", "main"]
+
+
+def _fail(message: str) -> None:
+    click.echo(f"{PROG}: error: {message}", err=True)
+    sys.exit(2)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2."""
+    try:
+        cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort:
+        click.echo(f"{PROG}: aborted", err=True)
+        sys.exit(1)
+    except click.ClickException as exc:
+        _fail(exc.format_message().replace("\n", " "))
+    except FewBitError as exc:
+        _fail(str(exc))
+    except KeyboardInterrupt:
+        click.echo(f"{PROG}: interrupted", err=True)
+        sys.exit(130)
+    sys.exit(0)

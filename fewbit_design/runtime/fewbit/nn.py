@@ -1,0 +1,544 @@
+"""Drop-in few-bit ``torch.nn`` activation modules (thin: the math is in :mod:`.ops`).
+
+Every class takes the torch.nn class's constructor arguments (same names, defaults and positional order) and keeps
+them as attributes, plus keyword-only ``bits=3``, ``weight='uniform'``, ``mode='levelsets'`` and ``table=None``:
+
+* ``table=None`` loads the shipped table for (activation, params, bits, weight, mode)
+  (:func:`fewbit_design.runtime.load_table`);
+* ``table`` = a :class:`~fewbit_design.table.Table`, a ``fewbit-table/1`` dict or a path: it must be for the same
+  activation and params; its bits, weight and mode win over the arguments.
+
+The forward output is bitwise the torch module's; backward stores ``bits`` bits per element. ``inplace`` is accepted
+for drop-in compatibility and ignored: the few-bit op computes out of place. :class:`FewBit` wraps any activation
+function with a table designed for it.
+
+>>> import torch
+>>> from fewbit_design.runtime import nn as fnn
+>>> act = fnn.GELU(bits=3)                          # doctest: +SKIP
+>>> act = fnn.GELU(table="gelu-3bit.json")          # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+
+from ...design import activations
+from ...errors import FewBitError
+from ...table import Table
+from .ops import decode_table, encode_table, fewbit_activation
+from .tables import TableLike, as_table, resolve_table
+
+__all__ = [
+    "FewBitModule",
+    "FewBit",
+    "ReLU",
+    "ReLU6",
+    "LeakyReLU",
+    "ELU",
+    "CELU",
+    "SELU",
+    "GELU",
+    "SiLU",
+    "Mish",
+    "Sigmoid",
+    "Tanh",
+    "Softplus",
+    "Softsign",
+    "Hardtanh",
+    "Hardsigmoid",
+    "Hardswish",
+    "LogSigmoid",
+    "Tanhshrink",
+    "Softshrink",
+    "Hardshrink",
+    "Threshold",
+]
+
+_BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "levels64")
+
+
+class FewBitModule(torch.nn.Module):
+    """Base class: holds a table (``self.table``) and its tensors as non-persistent integer buffers."""
+
+    table: Table
+
+    def _set_table(self, table: Table) -> None:
+        self.table = table
+        for name, tensor in encode_table(table).items():
+            self.register_buffer(f"_fewbit_{name}", tensor, persistent=False)
+
+    @property
+    def bits(self) -> int:
+        """Bits stored per element for backward (the table's)."""
+        return int(self.table.bits)
+
+    def _table_tensors(self, device: torch.device):
+        encoded = {name: getattr(self, f"_fewbit_{name}").to(device) for name in _BUFFERS}
+        return decode_table(self.bits, encoded)
+
+    def _native(self, input: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        return fewbit_activation(input, self._native, self._table_tensors(input.device))
+
+
+class _Activation(FewBitModule):
+    """A registry activation: its torch.nn hyper-parameters are attributes named as in torch."""
+
+    activation: ClassVar[str]
+
+    def _setup(self, bits: int, weight: str, mode: str, table: TableLike | None) -> None:
+        entry = activations.get(self.activation)
+        params = {name: getattr(self, name) for name in entry.defaults}
+        try:
+            resolved = resolve_table(table, activation=entry.name, params=params, bits=bits, weight=weight, mode=mode)
+        except FewBitError as exc:
+            raise FewBitError(f"fewbit_design.runtime.nn.{type(self).__name__}: {exc}") from None
+        self._set_table(resolved)
+        self._weight = weight if table is None else None
+        self._explicit_table = table is not None
+
+    def extra_repr(self) -> str:
+        entry = activations.get(self.activation)
+        parts = [f"{name}={getattr(self, name)!r}" for name in entry.defaults]
+        parts.append(f"bits={self.bits}")
+        if self._weight not in (None, "uniform"):
+            parts.append(f"weight={self._weight!r}")
+        if self.table.mode != "levelsets":
+            parts.append(f"mode={self.table.mode!r}")
+        if self._explicit_table:
+            parts.append(f"table={self.table.source or '<dict>'!r}")
+        return ", ".join(parts)
+
+
+class ReLU(_Activation):
+    """Few-bit :class:`torch.nn.ReLU`."""
+
+    activation = "relu"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.relu(input)
+
+
+class ReLU6(_Activation):
+    """Few-bit :class:`torch.nn.ReLU6`."""
+
+    activation = "relu6"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self.min_val, self.max_val = 0.0, 6.0
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.hardtanh(input, 0.0, 6.0)
+
+
+class LeakyReLU(_Activation):
+    """Few-bit :class:`torch.nn.LeakyReLU`."""
+
+    activation = "leaky_relu"
+
+    def __init__(
+        self,
+        negative_slope: float = 1e-2,
+        inplace: bool = False,
+        *,
+        bits=3,
+        weight="uniform",
+        mode="levelsets",
+        table=None,
+    ):
+        super().__init__()
+        self.negative_slope = negative_slope
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.leaky_relu(input, self.negative_slope)
+
+
+class ELU(_Activation):
+    """Few-bit :class:`torch.nn.ELU`."""
+
+    activation = "elu"
+
+    def __init__(
+        self, alpha: float = 1.0, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None
+    ):
+        super().__init__()
+        self.alpha = alpha
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.elu(input, self.alpha)
+
+
+class CELU(_Activation):
+    """Few-bit :class:`torch.nn.CELU`."""
+
+    activation = "celu"
+
+    def __init__(
+        self, alpha: float = 1.0, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None
+    ):
+        super().__init__()
+        self.alpha = alpha
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.celu(input, self.alpha)
+
+
+class SELU(_Activation):
+    """Few-bit :class:`torch.nn.SELU`."""
+
+    activation = "selu"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.selu(input)
+
+
+class GELU(_Activation):
+    """Few-bit :class:`torch.nn.GELU`."""
+
+    activation = "gelu"
+
+    def __init__(self, approximate: str = "none", *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.approximate = approximate
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.gelu(input, approximate=self.approximate)
+
+
+class SiLU(_Activation):
+    """Few-bit :class:`torch.nn.SiLU`."""
+
+    activation = "silu"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.silu(input)
+
+
+class Mish(_Activation):
+    """Few-bit :class:`torch.nn.Mish`."""
+
+    activation = "mish"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.mish(input)
+
+
+class Sigmoid(_Activation):
+    """Few-bit :class:`torch.nn.Sigmoid`."""
+
+    activation = "sigmoid"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return torch.sigmoid(input)
+
+
+class Tanh(_Activation):
+    """Few-bit :class:`torch.nn.Tanh`."""
+
+    activation = "tanh"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return torch.tanh(input)
+
+
+class Softplus(_Activation):
+    """Few-bit :class:`torch.nn.Softplus`."""
+
+    activation = "softplus"
+
+    def __init__(
+        self, beta: float = 1.0, threshold: float = 20.0, *, bits=3, weight="uniform", mode="levelsets", table=None
+    ):
+        super().__init__()
+        self.beta = beta
+        self.threshold = threshold
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.softplus(input, self.beta, self.threshold)
+
+
+class Softsign(_Activation):
+    """Few-bit :class:`torch.nn.Softsign`."""
+
+    activation = "softsign"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.softsign(input)
+
+
+class Hardtanh(_Activation):
+    """Few-bit :class:`torch.nn.Hardtanh` (``min_value`` / ``max_value`` are torch's deprecated aliases)."""
+
+    activation = "hardtanh"
+
+    def __init__(
+        self,
+        min_val: float = -1.0,
+        max_val: float = 1.0,
+        inplace: bool = False,
+        min_value: float | None = None,
+        max_value: float | None = None,
+        *,
+        bits=3,
+        weight="uniform",
+        mode="levelsets",
+        table=None,
+    ):
+        super().__init__()
+        if min_value is not None:
+            warnings.warn("keyword argument min_value is deprecated, use min_val", FutureWarning, stacklevel=2)
+            min_val = min_value
+        if max_value is not None:
+            warnings.warn("keyword argument max_value is deprecated, use max_val", FutureWarning, stacklevel=2)
+            max_val = max_value
+        self.min_val = min_val
+        self.max_val = max_val
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.hardtanh(input, self.min_val, self.max_val)
+
+
+class Hardsigmoid(_Activation):
+    """Few-bit :class:`torch.nn.Hardsigmoid`."""
+
+    activation = "hardsigmoid"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.hardsigmoid(input)
+
+
+class Hardswish(_Activation):
+    """Few-bit :class:`torch.nn.Hardswish`."""
+
+    activation = "hardswish"
+
+    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.hardswish(input)
+
+
+class LogSigmoid(_Activation):
+    """Few-bit :class:`torch.nn.LogSigmoid`."""
+
+    activation = "logsigmoid"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.logsigmoid(input)
+
+
+class Tanhshrink(_Activation):
+    """Few-bit :class:`torch.nn.Tanhshrink`."""
+
+    activation = "tanhshrink"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.tanhshrink(input)
+
+
+class Softshrink(_Activation):
+    """Few-bit :class:`torch.nn.Softshrink`."""
+
+    activation = "softshrink"
+
+    def __init__(self, lambd: float = 0.5, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.lambd = lambd
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.softshrink(input, self.lambd)
+
+
+class Hardshrink(_Activation):
+    """Few-bit :class:`torch.nn.Hardshrink`."""
+
+    activation = "hardshrink"
+
+    def __init__(self, lambd: float = 0.5, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.lambd = lambd
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.hardshrink(input, self.lambd)
+
+
+class Threshold(_Activation):
+    """Few-bit :class:`torch.nn.Threshold` (like torch, ``threshold`` and ``value`` are required)."""
+
+    activation = "threshold"
+
+    def __init__(
+        self,
+        threshold: float,
+        value: float,
+        inplace: bool = False,
+        *,
+        bits=3,
+        weight="uniform",
+        mode="levelsets",
+        table=None,
+    ):
+        super().__init__()
+        self.threshold = threshold
+        self.value = value
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return F.threshold(input, self.threshold, self.value)
+
+
+class FewBit(FewBitModule):
+    """Any activation ``fn(x)`` with a few-bit backward from ``table`` (a Table, a dict or a path).
+
+    The forward is exactly ``fn(x)`` (run without recording autograd, so ``fn`` must be pointwise and must not
+    have trainable parameters); the backward is ``grad * q(x)`` from the table, which should be designed for ``fn``
+    (e.g. ``fewbit-design --activation-module pkg.mod:fn ...``). An ``nn.Module`` ``fn`` is registered as a
+    submodule.
+
+    >>> act = FewBit(my_activation, "my_activation-3bit.json")      # doctest: +SKIP
+    """
+
+    def __init__(self, fn: Callable[[torch.Tensor], torch.Tensor], table: TableLike):
+        super().__init__()
+        if not callable(fn):
+            raise FewBitError(f"FewBit needs a callable activation fn(x), got {type(fn).__name__}")
+        if isinstance(fn, torch.nn.Module):
+            trainable = [name for name, p in fn.named_parameters() if p.requires_grad]
+            if trainable:
+                raise FewBitError(
+                    f"FewBit cannot wrap {type(fn).__name__}: its parameter {trainable[0]!r} is trainable and would "
+                    "get no gradient (the forward runs without autograd); freeze it or keep the native module"
+                )
+        self.fn = fn
+        if table is None:
+            raise FewBitError("FewBit needs a table designed for fn (a Table, a fewbit-table/1 dict or a path)")
+        self._set_table(as_table(table))
+
+    def _native(self, input):
+        return self.fn(input)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        parts = [] if isinstance(self.fn, torch.nn.Module) else [f"fn={name}"]
+        parts += [f"activation={self.table.activation!r}", f"bits={self.bits}"]
+        if self.table.source:
+            parts.append(f"table={self.table.source!r}")
+        return ", ".join(parts)
+
+
+CLASSES: dict[str, type[_Activation]] = {
+    cls.activation: cls
+    for cls in (
+        ReLU,
+        ReLU6,
+        LeakyReLU,
+        ELU,
+        CELU,
+        SELU,
+        GELU,
+        SiLU,
+        Mish,
+        Sigmoid,
+        Tanh,
+        Softplus,
+        Softsign,
+        Hardtanh,
+        Hardsigmoid,
+        Hardswish,
+        LogSigmoid,
+        Tanhshrink,
+        Softshrink,
+        Hardshrink,
+        Threshold,
+    )
+}
+
+
+def from_torch(module: torch.nn.Module, **kwargs: Any) -> _Activation:
+    """The few-bit module for a torch.nn activation module (its exact class), with the same hyper-parameters."""
+    entry = _entry_for(type(module))
+    if entry is None:
+        raise FewBitError(f"{type(module).__name__} is not a torch.nn activation with a few-bit version")
+    cls = CLASSES[entry.name]
+    params = {name: getattr(module, name) for name in entry.defaults if entry.name != "relu6"}
+    if entry.name == "threshold":
+        return cls(params.pop("threshold"), params.pop("value"), **kwargs)
+    return cls(**params, **kwargs)
+
+
+def _entry_for(cls: type) -> activations.Activation | None:
+    for entry in activations.REGISTRY.values():
+        if entry.torch_name and getattr(torch.nn, entry.torch_name, None) is cls:
+            return entry
+    return None

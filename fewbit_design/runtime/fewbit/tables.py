@@ -1,0 +1,275 @@
+"""Finding and loading tables for the runtime: the shipped set, table files, and checks against a module.
+
+The shipped tables live in the package folder ``fewbit_design/tables/`` with an index ``index.json``
+(format ``fewbit-index/1``) that lists, for every table file, its activation, params, bits, mode, symmetric flag
+and weight ("uniform": w = 1 on [-10, 10]; "normal": the standard normal density on [-10, 10]).
+The folder can be overridden with the ``FEWBIT_TABLES_DIR`` environment variable or the ``root=`` argument.
+
+>>> from fewbit_design import runtime
+>>> table = runtime.load_table("gelu", bits=3)                        # doctest: +SKIP
+>>> runtime.load_table("elu", params={"alpha": 0.5})                  # doctest: +SKIP
+FewBitError: no shipped table for elu(alpha=0.5) at 3 bits (weight 'uniform', mode 'levelsets'): it is not in the
+shipped set (.../index.json); design it with `fewbit-design elu --param alpha=0.5 --bits 3 --weight uniform --out
+elu.json` and pass table='elu.json'
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from ...design import activations
+from ...errors import FewBitError, check_bits, check_choice
+from ...table import MODES, Table, load
+
+__all__ = [
+    "INDEX_FORMAT",
+    "TABLES_ENV",
+    "WEIGHTS",
+    "TableLike",
+    "tables_root",
+    "load_table",
+    "load_table_file",
+    "as_table",
+    "resolve_table",
+    "design_command",
+]
+
+INDEX_FORMAT = "fewbit-index/1"
+TABLES_ENV = "FEWBIT_TABLES_DIR"
+WEIGHTS = ("uniform", "normal")
+_PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "tables"
+
+TableLike = Table | Mapping[str, Any] | str | os.PathLike
+
+
+def tables_root(root: str | os.PathLike | None = None) -> Path:
+    """The folder of shipped tables: ``root`` if given, else ``$FEWBIT_TABLES_DIR``, else the package folder."""
+    if root is not None:
+        return Path(root)
+    env = os.environ.get(TABLES_ENV)
+    return Path(env) if env else _PACKAGE_TABLES
+
+
+def _format_params(params: Mapping[str, Any]) -> str:
+    return ", ".join(
+        f"{key}={value!r}" if isinstance(value, str) else f"{key}={value:g}" for key, value in params.items()
+    )
+
+
+def _non_default(bound: activations.BoundActivation) -> dict[str, Any]:
+    defaults = bound.activation.defaults
+    return {key: value for key, value in bound.params.items() if not _same_value(value, defaults.get(key))}
+
+
+def design_command(
+    activation: str,
+    params: Mapping[str, Any] | None = None,
+    *,
+    bits: int = 3,
+    weight: str = "uniform",
+    mode: str = "levelsets",
+) -> str:
+    """The ``fewbit-design`` command line that designs this table.
+
+    >>> design_command("elu", {"alpha": 0.5}, bits=3)
+    'fewbit-design elu --param alpha=0.5 --bits 3 --weight uniform --out elu.json'
+    """
+    bound = activations.bind(activation, dict(params or {}))
+    parts = ["fewbit-design", bound.name]
+    for key, value in _non_default(bound).items():
+        parts.append(f"--param {key}={value:g}" if isinstance(value, float) else f"--param {key}={value}")
+    parts += [f"--bits {bits}", f"--weight {weight}"]
+    if mode != "levelsets":
+        parts.append(f"--mode {mode}")
+    parts.append(f"--out {bound.name}.json")
+    return " ".join(parts)
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str) or isinstance(a, bool) or isinstance(b, bool):
+        return a == b
+    try:
+        return math.isclose(float(a), float(b), rel_tol=1e-9, abs_tol=1e-12)
+    except (TypeError, ValueError):
+        return a == b
+
+
+def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
+    return set(a) == set(b) and all(_same_value(a[key], b[key]) for key in a)
+
+
+@functools.lru_cache(maxsize=16)
+def _read_index(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
+    try:
+        document = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise FewBitError(f"table index {path!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FewBitError(f"table index {path!r} cannot be read: {exc}") from None
+    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
+        raise FewBitError(f"table index {path!r}: field 'format' must be {INDEX_FORMAT!r}")
+    entries = document.get("tables")
+    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
+        raise FewBitError(f"table index {path!r}: field 'tables' must be a list of objects")
+    for number, entry in enumerate(entries):
+        for key in ("file", "activation", "bits", "mode", "weight"):
+            if key not in entry:
+                raise FewBitError(f"table index {path!r}: entry {number} has no field {key!r}")
+    return tuple(entries)
+
+
+def _not_shipped(bound: activations.BoundActivation, bits: int, weight: str, mode: str, reason: str) -> FewBitError:
+    command = design_command(bound.name, bound.params, bits=bits, weight=weight, mode=mode)
+    what = f"{bound.name}({_format_params(bound.params)})"
+    return FewBitError(
+        f"no shipped table for {what} at {bits} bits (weight {weight!r}, mode {mode!r}): {reason}; "
+        f"design it with `{command}` and pass table='{bound.name}.json'"
+    )
+
+
+def load_table(
+    activation: str,
+    *,
+    params: Mapping[str, Any] | None = None,
+    bits: int = 3,
+    weight: str = "uniform",
+    mode: str = "levelsets",
+    root: str | os.PathLike | None = None,
+) -> Table:
+    """The shipped table for an activation (torch.nn.functional name or torch class name), cached.
+
+    ``params`` are compared with the shipped tables' after filling in torch's defaults. A combination that is not
+    shipped raises a :class:`FewBitError` showing the ``fewbit-design`` command that designs it.
+
+    >>> load_table("gelu", bits=3).bits          # doctest: +SKIP
+    3
+    """
+    bound = activations.bind(activation, dict(params or {}))
+    bits = check_bits(bits)
+    check_choice("weight", weight, WEIGHTS)
+    check_choice("mode", mode, MODES)
+    folder = tables_root(root).resolve()
+    index = folder / "index.json"
+    try:
+        mtime = index.stat().st_mtime_ns
+    except OSError:
+        raise _not_shipped(bound, bits, weight, mode, f"the table index {str(index)!r} does not exist") from None
+    key = tuple(sorted((name, repr(value)) for name, value in bound.params.items()))
+    return _load_shipped(bound.name, key, bits, weight, mode, str(folder), mtime)
+
+
+@functools.lru_cache(maxsize=256)
+def _load_shipped(name: str, params_key: tuple, bits: int, weight: str, mode: str, folder: str, mtime: int) -> Table:
+    bound = activations.bind(name, {key: _literal(value) for key, value in params_key})
+    index = Path(folder) / "index.json"
+    matches = []
+    for entry in _read_index(str(index), mtime):
+        if (entry["activation"], entry["bits"], entry["mode"], entry["weight"]) != (name, bits, mode, weight):
+            continue
+        try:
+            entry_params = activations.bind(name, dict(entry.get("params") or {})).params
+        except FewBitError:
+            continue
+        if _same_params(entry_params, bound.params):
+            matches.append(entry)
+    if not matches:
+        raise _not_shipped(bound, bits, weight, mode, f"it is not in the shipped set ({index})")
+    entry = sorted(matches, key=lambda e: bool(e.get("symmetric", False)))[0]  # prefer the non-symmetric table
+    path = (Path(folder) / str(entry["file"])).resolve()
+    if Path(folder) not in path.parents:
+        raise FewBitError(f"table index {str(index)!r}: file {entry['file']!r} lies outside the tables folder")
+    table = load(path)
+    found = (table.activation, table.bits, table.mode)
+    if found != (name, bits, mode) or not _same_params(activations.bind(name, table.params).params, bound.params):
+        raise FewBitError(
+            f"table file {str(path)!r} does not match its index entry: it is {table.activation} "
+            f"({_format_params(table.params)}) at {table.bits} bits, mode {table.mode!r}"
+        )
+    return table
+
+
+def _literal(text: str) -> Any:
+    import ast
+
+    return ast.literal_eval(text)
+
+
+@functools.lru_cache(maxsize=64)
+def _load_file_cached(path: str, mtime_ns: int, size: int) -> Table:
+    return load(path)
+
+
+def load_table_file(path: str | os.PathLike) -> Table:
+    """Load and validate a table file, cached until the file changes."""
+    resolved = Path(path).expanduser()
+    try:
+        stat = resolved.stat()
+    except OSError:
+        raise FewBitError(f"table file {str(path)!r} does not exist") from None
+    if resolved.is_dir():
+        raise FewBitError(f"table file {str(path)!r} is a directory")
+    return _load_file_cached(str(resolved.resolve()), stat.st_mtime_ns, stat.st_size)
+
+
+def as_table(table: TableLike) -> Table:
+    """A :class:`Table` from a Table, a ``fewbit-table/1`` dict, or a path to a table file."""
+    if isinstance(table, Table):
+        return table
+    if isinstance(table, Mapping):
+        return Table.from_dict(dict(table), source="<dict>")
+    if isinstance(table, str | os.PathLike):
+        return load_table_file(table)
+    raise FewBitError(f"table must be a Table, a dict or a path to a table file, got {type(table).__name__}")
+
+
+def _describe(table: Table) -> str:
+    return f"table {table.source!r}" if table.source else "the table"
+
+
+def resolve_table(
+    table: TableLike | None,
+    *,
+    activation: str,
+    params: Mapping[str, Any],
+    bits: int = 3,
+    weight: str = "uniform",
+    mode: str = "levelsets",
+) -> Table:
+    """The table a module or function of ``activation`` with ``params`` uses.
+
+    ``table=None`` loads the shipped table for (bits, weight, mode); otherwise ``table`` (Table, dict or path) must be
+    for the same activation and params (its own bits, weight and mode win).
+    """
+    bound = activations.bind(activation, dict(params))
+    if table is None:
+        return load_table(bound.name, params=bound.params, bits=bits, weight=weight, mode=mode)
+    check_bits(bits)
+    check_choice("weight", weight, WEIGHTS)
+    check_choice("mode", mode, MODES)
+    resolved = as_table(table)
+    try:
+        table_activation = activations.get(resolved.activation).name
+    except FewBitError:
+        table_activation = resolved.activation
+    if table_activation != bound.name:
+        raise FewBitError(
+            f"{_describe(resolved)} is for activation {resolved.activation!r}, but it was given to "
+            f"{bound.activation.torch_name} ({bound.name}); use a table designed for {bound.name}"
+        )
+    try:
+        table_params = activations.bind(bound.name, dict(resolved.params)).params
+    except FewBitError as exc:
+        raise FewBitError(f"{_describe(resolved)} has bad params for {bound.name}: {exc}") from None
+    if not _same_params(table_params, bound.params):
+        raise FewBitError(
+            f"{_describe(resolved)} is for {bound.name}({_format_params(table_params)}), but the module has "
+            f"{bound.name}({_format_params(bound.params)}); design a table with "
+            f"`{design_command(bound.name, bound.params, bits=resolved.bits, weight='uniform', mode=resolved.mode)}`"
+        )
+    return resolved
