@@ -1,0 +1,280 @@
+"""One offload step: the pack and unpack hooks, the records, and the scheduling carried out on a target.
+
+A :class:`Session` lives as long as autograd's graph holds its hooks (each saved tensor keeps them), plus the
+``with`` block that created it. When it is freed, its targets are closed (file removed, queued transfers
+cancelled, pinned buffers returned); an exception inside the block closes them at once. Records never reference
+the session, and transfer jobs reference neither, so nothing keeps a dead step alive.
+
+Forward (pack): an eligible tensor gets a position, its storage span is handed to the target without a copy, and
+the hook keeps only the record. At most ``depth`` writes are in flight; finished writes are **reaped** on the
+autograd thread (the thread that runs forward), which drops the last reference to the tensor's storage and checks
+that its version counter did not move while it was being copied (autograd itself raises in that case when no
+hooks are installed; with hooks it would silently use the modified data, so this raises instead).
+
+Backward (unpack): the tensor comes from memory while its write is in flight, else from a prefetched read, else
+from a synchronous read; then the ``depth`` records below it are prefetched (:mod:`.schedule`). A tensor saved
+by several nodes (a ReLU output that the next Linear saves too) is one record, read once per backward pass.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...errors import FewBitError
+from . import schedule
+from .layout import Layout, describe, raw_bytes, restore
+
+__all__ = ["Session", "Stats"]
+
+
+@dataclass
+class Stats:
+    """What a step offloaded: ``tensors``/``bytes`` moved out, ``kept_tensors``/``kept_bytes`` left in place by the
+    cap (``max_host_bytes``); small tensors, parameters and leaves are not counted."""
+
+    tensors: int = 0
+    bytes: int = 0
+    kept_tensors: int = 0
+    kept_bytes: int = 0
+
+
+class _Record:
+    __slots__ = (
+        "position",
+        "target",
+        "location",
+        "layout",
+        "uses",
+        "served",
+        "kept",
+        "fetch",
+        "write",
+        "alias",
+        "version",
+        "poisoned",
+        "__weakref__",
+    )
+
+    def __init__(self, position: int, target: Any, layout: Layout) -> None:
+        self.position = position
+        self.target = target
+        self.location: Any = None
+        self.layout = layout
+        self.uses = 1
+        self.served = 0
+        self.kept: torch.Tensor | None = None
+        self.fetch: Any = None
+        self.write: Any = None
+        self.alias: torch.Tensor | None = None
+        self.version = 0
+        self.poisoned: str | None = None
+
+    def __del__(self) -> None:
+        try:
+            if self.location is not None:
+                self.target.release(self.location)
+        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to release into
+            pass
+
+
+def _close_targets(targets: dict[str, Any]) -> None:
+    for target in list(targets.values()):
+        if target is not None:
+            target.close()
+    targets.clear()
+
+
+def _is_parameter_like(tensor: torch.Tensor) -> bool:
+    return isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)
+
+
+class Session:
+    """Pack/unpack hooks of one step. ``make_target(device_type)`` gives the target of a device ('cpu', 'cuda')
+    or ``None`` to leave that device's tensors in place; targets are made on first use, or at once for the
+    ``probe`` device types (so a bad folder fails at entry)."""
+
+    def __init__(
+        self,
+        make_target: Callable[[str], Any],
+        *,
+        min_bytes: int,
+        depth: int,
+        probe: tuple[str, ...] = (),
+        exclude: frozenset[int] = frozenset(),
+    ) -> None:
+        self._make_target = make_target
+        self._targets: dict[str, Any] = {}
+        self._finalizer = weakref.finalize(self, _close_targets, self._targets)
+        self.min_bytes = min_bytes
+        self.depth = depth
+        self.exclude = exclude
+        self.stats = Stats()
+        self.sealed = False  # backward has started: a new forward should start a new session
+        self._closed: str | None = None
+        self._records: weakref.WeakValueDictionary[int, _Record] = weakref.WeakValueDictionary()
+        self._count = 0
+        self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
+        self._inflight: deque[_Record] = deque()
+        for device_type in probe:
+            self._target_for(device_type)
+
+    # -- life cycle ---------------------------------------------------------------------------------------------
+    def close(self, reason: str) -> None:
+        """Close the targets now (file removed, transfers cancelled); later unpacks raise ``reason``."""
+        if self._closed is None:
+            self._closed = reason
+        for record in list(self._inflight):
+            record.write = record.alias = None
+        self._inflight.clear()
+        for record in list(self._records.values()):
+            record.fetch = record.kept = None
+        self._finalizer()
+
+    def _check_open(self) -> None:
+        if self._closed is not None:
+            raise FewBitError(self._closed)
+
+    def _target_for(self, device_type: str) -> Any:
+        if device_type not in self._targets:
+            self._targets[device_type] = self._make_target(device_type)
+        return self._targets[device_type]
+
+    # -- forward --------------------------------------------------------------------------------------------------
+    def _eligible(self, tensor: torch.Tensor) -> bool:
+        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _is_parameter_like(tensor):
+            return False
+        base = tensor._base
+        if base is not None and _is_parameter_like(base):
+            return False
+        if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
+            return False
+        if tensor.device.type not in ("cpu", "cuda") or torch.is_inference(tensor):
+            return False
+        return True
+
+    def pack(self, tensor: torch.Tensor) -> Any:
+        self._check_open()
+        self._reap()
+        if not self._eligible(tensor):
+            return tensor
+        try:
+            storage_pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # tensors without storage (functorch wrappers, fakes)
+            return tensor
+        if storage_pointer in self.exclude:
+            return tensor
+        layout = describe(tensor)
+        if layout.nbytes == 0 or layout.nbytes < self.min_bytes:
+            return tensor
+        key = (storage_pointer, tensor.storage_offset(), layout.size, layout.stride, layout.dtype, tensor._version)
+        hit = self._seen.get(key)
+        if hit is not None:
+            same, record = hit[0](), hit[1]()
+            if same is not None and record is not None and record.poisoned is None:
+                record.uses += 1
+                return record
+        target = self._target_for(tensor.device.type)
+        if target is None:
+            return tensor
+        if target.bounded_writes:
+            self._wait_writes(schedule.write_backlog(len(self._inflight), self.depth))
+        record = _Record(self._count, target, layout)
+        raw = raw_bytes(tensor, layout)
+        location, job = target.write(raw, sync=self.depth == 0)
+        if location is None:  # the target is full (max_host_bytes): the tensor stays where it is
+            self.stats.kept_tensors += 1
+            self.stats.kept_bytes += layout.nbytes
+            return tensor
+        record.location, record.write = location, job
+        record.alias, record.version = tensor.detach(), tensor._version
+        self._inflight.append(record)
+        self._count += 1
+        self._records[record.position] = record
+        if len(self._seen) > 2 * len(self._records) + 64:
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
+        self._seen[key] = (weakref.ref(tensor), weakref.ref(record))
+        self.stats.tensors += 1
+        self.stats.bytes += layout.nbytes
+        self._reap()
+        return record
+
+    def _wait_writes(self, count: int) -> None:
+        for record in list(self._inflight)[:count]:
+            record.write.wait()
+        self._reap()
+
+    def _reap(self) -> None:
+        """Finish the writes that are done, oldest first: check versions, drop the storage references."""
+        while self._inflight and self._inflight[0].write.done:
+            record = self._inflight.popleft()
+            job, alias = record.write, record.alias
+            record.write = record.alias = None
+            if job.error is not None:
+                record.poisoned = record.target.describe_error(job.error, f"writing {record.layout.nbytes} bytes")
+                self.close(record.poisoned + "; the step's saved tensors are lost")
+                raise FewBitError(record.poisoned + "; the step's saved tensors are lost")
+            if alias._version != record.version:
+                record.poisoned = _modified(record.layout)
+
+    # -- backward -------------------------------------------------------------------------------------------------
+    def unpack(self, packed: Any) -> torch.Tensor:
+        if isinstance(packed, torch.Tensor):
+            return packed
+        record: _Record = packed
+        self._check_open()
+        self.sealed = True
+        self._reap()
+        if record.kept is not None:
+            tensor = record.kept
+        else:
+            tensor = restore(self._materialize(record), record.layout)
+        record.served += 1
+        record.kept = tensor if record.served % record.uses else None
+        self._prefetch(record.position)
+        return tensor
+
+    def _materialize(self, record: _Record) -> torch.Tensor:
+        if record.write is not None:  # still being written: the storage is still here
+            if record.alias._version != record.version:
+                raise FewBitError(_modified(record.layout))
+            return _raw_of(record)
+        if record.poisoned is not None:
+            raise FewBitError(record.poisoned)
+        job, record.fetch = record.fetch, None
+        if job is None:
+            job = record.target.read(record.location, record.layout.nbytes, sync=True)
+        job.wait()
+        if job.error is not None:
+            message = record.target.describe_error(job.error, f"reading {record.layout.nbytes} bytes back")
+            raise FewBitError(message)
+        return job.result
+
+    def _prefetch(self, current: int) -> None:
+        if self.depth <= 0:
+            return
+        records = dict(self._records.items())
+        fetching = [p for p, r in records.items() if r.fetch is not None]
+        for position in schedule.stale_positions(current, fetching, self.depth):
+            records[position].fetch = None
+        resident = {p for p, r in records.items() if r.fetch is not None or r.kept is not None or r.write is not None}
+        for position in schedule.prefetch_candidates(current, records.keys(), resident, self.depth):
+            record = records[position]
+            if record.poisoned is None:
+                record.fetch = record.target.read(record.location, record.layout.nbytes, sync=False)
+
+
+def _raw_of(record: _Record) -> torch.Tensor:
+    return raw_bytes(record.alias, record.layout) if record.layout.nbytes else torch.empty(0, dtype=torch.uint8)
+
+
+def _modified(layout: Layout) -> str:
+    return (
+        f"a tensor of shape {list(layout.size)} saved for backward was modified in place while it was offloaded; "
+        "autograd needs the saved value (without hooks it raises the same error)"
+    )
