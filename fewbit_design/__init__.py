@@ -21,33 +21,24 @@ load on first use, and importing :mod:`fewbit_design.runtime` never loads scipy,
 
 from __future__ import annotations
 
-from typing import Any
-
+from ._lazy import lazy_getattr
 from ._version import __version__
 from .errors import FewBitError
 
 __all__ = ["__version__", "FewBitError", "Table", "design", "load"]
 
-_LAZY = {
-    "Table": ("fewbit_design.table", "Table"),
-    "load": ("fewbit_design.table", "load"),
-}
 # ``fewbit_design.design`` is the design package; it is callable, so ``fewbit_design.design("gelu", 3)`` works.
 # The design math's modules are also reachable here by their short names (``from fewbit_design import snr``).
-_DESIGN_MODULES = ("design", "activations", "weights", "integrals", "dp", "refine", "snr")
-
-
-def __getattr__(name: str) -> Any:
-    import importlib
-
-    if name in _LAZY:
-        module, attribute = _LAZY[name]
-        value = getattr(importlib.import_module(module), attribute)
-    elif name == "design":
-        value = importlib.import_module("fewbit_design.design")
-    elif name in _DESIGN_MODULES:
-        value = importlib.import_module(f"fewbit_design.design.{name}")
-    else:
-        raise AttributeError(f"module 'fewbit_design' has no attribute {name!r}")
-    globals()[name] = value
-    return value
+_DESIGN_MODULES = ("activations", "weights", "integrals", "dp", "refine", "snr")
+__getattr__ = lazy_getattr(
+    __name__,
+    {
+        "Table": ("fewbit_design.table", "Table"),
+        "load": ("fewbit_design.table", "load"),
+        "design": ("fewbit_design.design", None),
+        **{
+            name: (f"fewbit_design.design.{name}", None)
+            for name in ("activations", "weights", "integrals", "dp", "refine", "snr")
+        },
+    },
+)

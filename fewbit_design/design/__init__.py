@@ -23,25 +23,21 @@ loads until first use: the runtime imports :mod:`.activations` without loading n
 
 from __future__ import annotations
 
-import importlib
 import sys
 import types
 from typing import Any
+
+from .._lazy import lazy_getattr
 
 __all__ = ["design", "activations", "weights", "integrals", "dp", "refine", "engine", "snr"]
 
 _SUBMODULES = ("activations", "weights", "integrals", "dp", "refine", "engine", "snr")
 
 
-def __getattr__(name: str) -> Any:
-    if name == "design":
-        value = importlib.import_module(f"{__name__}.engine").design
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(
+    __name__,
+    {"design": (f"{__name__}.engine", "design"), **{name: (f"{__name__}.{name}", None) for name in _SUBMODULES}},
+)
 
 
 class _CallablePackage(types.ModuleType):

@@ -19,8 +19,7 @@ Submodules load on first attribute access, so ``from fewbit_design import runtim
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from .._lazy import lazy_getattr
 
 try:
     import torch  # noqa: F401  (fail here, with the fix, rather than deep inside a submodule)
@@ -34,13 +33,15 @@ except ModuleNotFoundError as error:
     ) from error
 
 _SUBMODULES = ("fewbit", "nn", "functional", "convert", "tables", "memory", "blpa", "reversible")
-_LAZY_ATTRIBUTES: dict[str, tuple[str, str]] = {}
+# name -> (absolute module, attribute or None for the module itself); see fewbit_design._lazy
+_LAZY_ATTRIBUTES: dict[str, tuple[str, str | None]] = {name: (f"{__name__}.{name}", None) for name in _SUBMODULES}
 
-__all__ = list(_SUBMODULES) + list(_LAZY_ATTRIBUTES)
+__all__ = list(_SUBMODULES)
 
 
 def _register(name: str, module: str, attribute: str | None = None) -> None:
-    _LAZY_ATTRIBUTES[name] = (module, attribute or name)
+    """Expose ``attribute`` (default ``name``) of the submodule ``module`` as ``fewbit_design.runtime.<name>``."""
+    _LAZY_ATTRIBUTES[name] = (f"{__name__}.{module}", attribute or name)
     if name not in __all__:
         __all__.append(name)
 
@@ -50,13 +51,4 @@ _register("load_table", "tables", "load_table")
 _register("convert", "convert", "convert")
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY_ATTRIBUTES:
-        module, attribute = _LAZY_ATTRIBUTES[name]
-        value = getattr(importlib.import_module(f"{__name__}.{module}"), attribute)
-    elif name in _SUBMODULES:
-        value = importlib.import_module(f"{__name__}.{name}")
-    else:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    globals()[name] = value
-    return value
+__getattr__ = lazy_getattr(__name__, _LAZY_ATTRIBUTES)

@@ -1,0 +1,31 @@
+"""Lazy attributes of a package (PEP 562): names that import their module on first access, so importing a package
+stays cheap and loads nothing heavy (no numba, scipy or matplotlib) until a user reaches for it."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from collections.abc import Callable, Mapping
+from typing import Any
+
+__all__ = ["lazy_getattr"]
+
+
+def lazy_getattr(package: str, attributes: Mapping[str, tuple[str, str | None]]) -> Callable[[str], Any]:
+    """A module ``__getattr__`` for ``package``: ``name -> (absolute module, attribute or None for the module)``.
+
+    The value is imported on first access and stored in the package, so later accesses cost nothing.
+    """
+
+    def __getattr__(name: str) -> Any:
+        try:
+            module, attribute = attributes[name]
+        except KeyError:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
+        value = importlib.import_module(module)
+        if attribute is not None:
+            value = getattr(value, attribute)
+        setattr(sys.modules[package], name, value)
+        return value
+
+    return __getattr__
