@@ -1,0 +1,182 @@
+"""The peak-memory and time model of a checkpoint schedule, as torch executes it.
+
+Terms: block i maps the hidden state x_i to x_{i+1}; x_0 is the chain's input (alive before the step, so not
+counted). A *segment* [a, b) of consecutive blocks is either plain (its blocks keep what they save for backward)
+or checkpointed: ``torch.utils.checkpoint(..., use_reentrant=False)`` keeps only its input x_a in the forward
+pass and, in the backward pass, first recomputes the whole segment (keeping what its blocks save), then runs its
+backward. A checkpointed segment may have *children*: a plan of its own range that its recomputation runs (nested
+checkpoints, Chen's recursion).
+
+The model replays the step block by block with per-block measurements (:class:`BlockProfile`) and tracks the
+bytes alive: a block's forward adds its ``retained_bytes`` and its output, and peaks ``forward_peak_bytes``
+above where it started; its backward peaks ``backward_peak_bytes`` above where it started, then adds
+``backward_delta_bytes`` (gradients made minus saved tensors freed) and frees the incoming gradient. A hidden
+state x_i stays alive while something holds it: block i saving its input, block i - 1 saving its output, or a
+checkpoint whose input it is; it is freed after the backward of the last of those. The loss is taken as
+``output.sum()``, whose gradient is an expanded scalar (no bytes). Parameters' gradients are assumed absent at
+the start of the step (``zero_grad(set_to_none=True)``, torch's default).
+
+This module is pure Python on numbers: it never runs a model.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from .profile import BlockProfile, Profile
+
+__all__ = ["Segment", "Prediction", "predict"]
+
+
+@dataclass(frozen=True)
+class Segment:
+    """Blocks ``start`` to ``stop - 1``, checkpointed or not; ``children`` (checkpointed only) is the plan its
+    recomputation runs, covering the same blocks (empty: its blocks run plainly)."""
+
+    start: int
+    stop: int
+    checkpoint: bool
+    children: tuple[Segment, ...] = ()
+
+    def to_dict(self) -> dict:
+        data: dict = {"start": self.start, "stop": self.stop, "checkpoint": self.checkpoint}
+        if self.children:
+            data["children"] = [child.to_dict() for child in self.children]
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict) -> Segment:
+        children = tuple(cls.from_dict(c) for c in data.get("children", ()))
+        return cls(int(data["start"]), int(data["stop"]), bool(data["checkpoint"]), children)
+
+
+@dataclass
+class Prediction:
+    """Predicted peak bytes (above the step's start) and extra time (recomputation) of a schedule."""
+
+    peak_bytes: int
+    extra_seconds: float
+    forward_peak_bytes: int = 0
+    backward_peak_bytes: int = 0
+    timeline: list[tuple[str, int]] = field(default_factory=list)
+
+
+class _Replay:
+    """Replays a schedule over the profiled blocks, tracking live bytes and their peak.
+
+    ``alive[j]`` is the block after whose backward x_j is freed (the smallest index among its holders, since the
+    backward pass runs from the last block down)."""
+
+    def __init__(self, blocks: Sequence[BlockProfile], record: bool = False) -> None:
+        self.blocks = blocks
+        self.n = len(blocks)
+        self.live = 0
+        self.peak = 0
+        self.alive: dict[int, int] = {}
+        self.timeline: list[tuple[str, int]] | None = [] if record else None
+
+    def event(self, label: str, extra: int) -> None:
+        if self.live + extra > self.peak:
+            self.peak = self.live + extra
+        if self.timeline is not None:
+            self.timeline.append((label, self.live + extra))
+
+    def _hold_or_free(self, j: int, holders: list[int]) -> None:
+        """x_j was consumed (or is a level's output): keep it until the backward of min(holders), or free it."""
+        if j == 0:
+            return
+        if holders:
+            self.alive[j] = min(holders + [self.alive.get(j, self.n)])
+        elif j not in self.alive:
+            self.live -= self.blocks[j - 1].output_bytes
+
+    def forward(self, segments: Sequence[Segment], keep_saved: bool) -> None:
+        """Run ``segments`` forward. ``keep_saved`` False: inside an enclosing checkpoint's forward, where nothing is
+        saved (nested checkpoints keep nothing either: they save their inputs through the enclosing one's hooks)."""
+        plain_blocks = {i for s in segments if keep_saved and not s.checkpoint for i in range(s.start, s.stop)}
+        starts = {s.start for s in segments if keep_saved and s.checkpoint}
+        for segment in segments:
+            for i in range(segment.start, segment.stop):
+                block = self.blocks[i]
+                if i in plain_blocks:
+                    self.event(f"forward {block.name}", block.forward_peak_bytes)
+                    self.live += block.retained_bytes + block.output_bytes
+                else:
+                    self.event(f"forward {block.name} (checkpointed)", block.checkpoint_forward_peak_bytes)
+                    self.live += block.output_bytes
+                holders = []
+                if i in plain_blocks and block.saves_input:
+                    holders.append(i)
+                if i - 1 in plain_blocks and self.blocks[i - 1].saves_output:
+                    holders.append(i - 1)
+                if i in starts:
+                    holders.append(i)
+                self._hold_or_free(i, holders)
+        last = segments[-1].stop - 1
+        self._hold_or_free(last + 1, [last] if last in plain_blocks and self.blocks[last].saves_output else [])
+
+    def backward(self, segments: Sequence[Segment]) -> None:
+        """Run the backward pass of ``segments`` (their forward already run), last block first."""
+        for segment in reversed(segments):
+            if segment.checkpoint:
+                # recomputation: the children (or the plain blocks) forward with saving on; x_start is alive
+                children = segment.children or (Segment(segment.start, segment.stop, False),)
+                self.forward(children, keep_saved=True)
+                self.backward(children)
+                continue
+            for i in range(segment.stop - 1, segment.start - 1, -1):
+                block = self.blocks[i]
+                self.event(f"backward {block.name}", block.backward_peak_bytes)
+                incoming = self.blocks[i + 1].input_grad_bytes if i + 1 < self.n else 0  # the sum's: a scalar
+                self.live += block.backward_delta_bytes - incoming
+                for j in [j for j, release in self.alive.items() if release == i]:
+                    del self.alive[j]
+                    self.live -= self.blocks[j - 1].output_bytes
+
+
+def _extra_seconds(blocks: Sequence[BlockProfile], segments: Sequence[Segment]) -> float:
+    total = 0.0
+    for segment in segments:
+        if segment.checkpoint:
+            total += sum(b.forward_seconds for b in blocks[segment.start : segment.stop])
+            total += _extra_seconds(blocks, segment.children)
+    return total
+
+
+def predict(profile: Profile | Sequence[BlockProfile], segments: Sequence[Segment], *, timeline: bool = False):
+    """Predict the peak bytes (above the step's start) and the extra time of running ``segments``.
+
+    ``segments`` must cover blocks 0 .. n - 1 in order. Returns a :class:`Prediction` (with ``timeline``: the live
+    bytes at each block's forward and backward peak, for plots and debugging).
+    """
+    blocks = profile.blocks if isinstance(profile, Profile) else tuple(profile)
+    _check_cover(segments, 0, len(blocks))
+    replay = _Replay(blocks, record=timeline)
+    replay.forward(segments, keep_saved=True)
+    forward_peak = replay.peak
+    replay.peak = 0
+    replay.backward(segments)
+    return Prediction(
+        peak_bytes=max(forward_peak, replay.peak),
+        extra_seconds=_extra_seconds(blocks, segments),
+        forward_peak_bytes=forward_peak,
+        backward_peak_bytes=replay.peak,
+        timeline=replay.timeline or [],
+    )
+
+
+def _check_cover(segments: Sequence[Segment], start: int, stop: int) -> None:
+    from ...errors import FewBitError
+
+    position = start
+    for segment in segments:
+        if segment.start != position or segment.stop <= segment.start:
+            raise FewBitError(f"segments must cover blocks {start}..{stop - 1} in order, got {list(segments)}")
+        if segment.children:
+            if not segment.checkpoint:
+                raise FewBitError(f"only a checkpointed segment may have children, got {segment}")
+            _check_cover(segment.children, segment.start, segment.stop)
+        position = segment.stop
+    if position != stop:
+        raise FewBitError(f"segments must cover blocks {start}..{stop - 1} in order, got {list(segments)}")

@@ -1,0 +1,241 @@
+"""Profile a chain of blocks: per block, the bytes it keeps for backward, its output bytes and its forward time.
+
+Each block runs alone on the output of the previous one (detached), under :func:`memory.peak` and
+:func:`memory.saved_bytes`, once in plain training mode (forward and backward) and once under
+``torch.utils.checkpoint`` (forward only), then a few times for its forward time. Parameters' gradients, buffers
+(batch-norm statistics) and the random number generator are restored afterwards: profiling leaves the model as it
+found it.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint as torch_checkpoint
+
+from ...errors import FewBitError
+from .. import memory
+
+__all__ = ["BlockProfile", "Profile", "profile"]
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """What one block costs (bytes are exact storage sizes, from :func:`memory.peak` and :func:`memory.saved_bytes`).
+
+    Attributes:
+        name: the block's name in its container ("0", "1", ...).
+        input_bytes: bytes of the hidden-state input.
+        output_bytes: bytes of the hidden-state output (the first element of a tuple output).
+        saved_bytes: bytes saved for backward (parameters and buffers excluded; the input counts if saved).
+        saves_input: whether the input's storage is among the tensors saved for backward.
+        saves_output: whether the output's storage is among them (ReLU, sigmoid and tanh save their output).
+        retained_bytes: bytes allocated by the forward pass that stay alive after it besides the output: what the
+            block holds for backward beyond its input and output.
+        forward_peak_bytes: peak during the forward pass above its start (output included), plain training mode.
+        checkpoint_forward_peak_bytes: the same under ``torch.utils.checkpoint`` (nothing kept for backward).
+        backward_peak_bytes: peak during the backward pass above the bytes alive after the forward pass (the
+            incoming gradient not counted).
+        backward_delta_bytes: bytes alive after the backward pass minus those after the forward pass (the output
+            still held): the parameter and input gradients it creates minus the saved tensors it frees.
+        input_grad_bytes: bytes of the gradient it computes for its input (0 when the input needs none).
+        forward_seconds: median forward time (training mode, building the graph).
+    """
+
+    name: str
+    input_bytes: int
+    output_bytes: int
+    saved_bytes: int
+    saves_input: bool
+    saves_output: bool
+    retained_bytes: int
+    forward_peak_bytes: int
+    checkpoint_forward_peak_bytes: int
+    backward_peak_bytes: int
+    backward_delta_bytes: int
+    input_grad_bytes: int
+    forward_seconds: float
+
+    @property
+    def gradient_bytes(self) -> int:
+        """Bytes its backward pass leaves alive for the rest of the step besides its input gradient (parameter
+        gradients)."""
+        return self.backward_delta_bytes + self.retained_bytes - self.input_grad_bytes
+
+
+@dataclass(frozen=True)
+class Profile:
+    """A profiled chain: the blocks in order and how the chain can be cut.
+
+    Attributes:
+        blocks: one :class:`BlockProfile` per block.
+        per_block: True for an ``nn.ModuleList`` that a model loops over: it can only be checkpointed block by
+            block (segments of one block); False for an ``nn.Sequential`` or a list, which run as one chain.
+        device: the device the blocks ran on.
+    """
+
+    blocks: tuple[BlockProfile, ...]
+    per_block: bool = False
+    device: str = "cpu"
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.blocks)
+
+    @property
+    def forward_seconds(self) -> float:
+        """Forward time of the whole chain."""
+        return sum(block.forward_seconds for block in self.blocks)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-serialisable dictionary (see :meth:`from_dict`)."""
+        return {"blocks": [asdict(b) for b in self.blocks], "per_block": self.per_block, "device": self.device}
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Profile:
+        """The profile that :meth:`to_dict` wrote."""
+        return cls(tuple(BlockProfile(**b) for b in data["blocks"]), bool(data["per_block"]), str(data["device"]))
+
+
+def _first(output: Any) -> torch.Tensor:
+    hidden = output[0] if isinstance(output, tuple | list) else output
+    if not isinstance(hidden, torch.Tensor):
+        raise FewBitError(f"a block must return a tensor or a tuple starting with one, got {type(hidden).__name__}")
+    return hidden
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _measure(block: torch.nn.Module, name: str, x: torch.Tensor, args: tuple, kwargs: dict, repeats: int):
+    """Profile one block on input ``x``; return its :class:`BlockProfile` and its output (detached)."""
+    needs_grad = x.requires_grad
+    leaf = x.detach().requires_grad_(needs_grad)
+    # a view of the leaf is a non-leaf like the hidden state inside a chain, so saved_bytes counts it when saved
+    inp = leaf.view_as(leaf) if needs_grad else leaf
+    backward_peak = backward_delta = input_grad = 0
+    with memory.peak() as p:
+        with memory.saved_bytes(block) as saved:
+            output = block(inp, *args, **kwargs)
+        hidden = _first(output)
+        forward_peak, after_forward = p.peak_bytes, p.live_bytes
+        if hidden.requires_grad:
+            p.reset_peak()
+            grad = torch.ones_like(hidden)
+            torch.autograd.backward(hidden, grad)
+            # relative to the end of the forward pass, without the incoming gradient (the chain has its own)
+            backward_peak = p.peak_bytes - after_forward - _nbytes(grad)
+            backward_delta = p.live_bytes - after_forward - _nbytes(grad)
+            input_grad = _nbytes(leaf.grad) if leaf.grad is not None else 0
+            del grad
+    output_bytes = _nbytes(hidden)
+    output_is_new = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+    retained = after_forward - (output_bytes if output_is_new else 0)
+    saves_input, saves_output = saved.contains(inp), saved.contains(hidden)
+    result = hidden.detach()
+    del output, hidden, inp, leaf
+    with memory.peak() as c:
+        output = torch_checkpoint(block, x.detach().requires_grad_(needs_grad), *args, use_reentrant=False, **kwargs)
+    checkpoint_peak = c.peak_bytes
+    del output
+    times = []
+    for _ in range(repeats):
+        _synchronize(x.device)
+        start = time.perf_counter()
+        output = block(x.detach().requires_grad_(needs_grad), *args, **kwargs)
+        _synchronize(x.device)
+        times.append(time.perf_counter() - start)
+        del output
+    block_profile = BlockProfile(
+        name=name,
+        input_bytes=_nbytes(x),
+        output_bytes=output_bytes,
+        saved_bytes=saved.total,
+        saves_input=saves_input,
+        saves_output=saves_output,
+        retained_bytes=retained,
+        forward_peak_bytes=forward_peak,
+        checkpoint_forward_peak_bytes=checkpoint_peak,
+        backward_peak_bytes=backward_peak,
+        backward_delta_bytes=backward_delta,
+        input_grad_bytes=input_grad,
+        forward_seconds=statistics.median(times),
+    )
+    return block_profile, result
+
+
+def _has_grad(module: torch.nn.Module) -> bool:
+    return any(p.requires_grad for p in module.parameters())
+
+
+def _blocks_of(blocks: Any) -> tuple[list[torch.nn.Module], list[str], bool]:
+    if isinstance(blocks, torch.nn.ModuleList):
+        return list(blocks), [str(i) for i in range(len(blocks))], True
+    if isinstance(blocks, torch.nn.Sequential):
+        names = list(blocks._modules)
+        return list(blocks), names, False
+    if isinstance(blocks, Sequence) and all(isinstance(b, torch.nn.Module) for b in blocks):
+        return list(blocks), [str(i) for i in range(len(blocks))], False
+    raise FewBitError(
+        f"blocks must be an nn.Sequential, an nn.ModuleList or a list of modules, got {type(blocks).__name__}"
+    )
+
+
+def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwargs: Any) -> Profile:
+    """Run each block once on example inputs and measure what it costs (see :class:`BlockProfile`).
+
+    Args:
+        blocks: an ``nn.Sequential`` or a list of modules (a chain: one input, the output of block i is the input of
+            block i + 1), or an ``nn.ModuleList`` of blocks that take extra arguments (attention masks, position
+            ids): ``example_inputs[1:]`` and ``example_kwargs`` are passed to every block unchanged, and the output
+            of block i (the first element of a tuple) is the first input of block i + 1.
+        example_inputs: the chain's input (a tensor), then the extra positional arguments of a ModuleList's blocks.
+        repeats: forward runs per block for the median time.
+        example_kwargs: keyword arguments of a ModuleList's blocks.
+
+    The example should have the shapes of training (batch, sequence length): bytes scale with them.
+    """
+    modules, names, per_block = _blocks_of(blocks)
+    if not modules:
+        raise FewBitError("profile needs at least one block, got an empty container")
+    if not example_inputs or not isinstance(example_inputs[0], torch.Tensor):
+        raise FewBitError("profile needs the chain's input tensor as its first example input")
+    if not per_block and (len(example_inputs) > 1 or example_kwargs):
+        raise FewBitError(
+            f"an nn.Sequential or list takes one input, got {len(example_inputs)} inputs and "
+            f"{sorted(example_kwargs)} keyword arguments (use an nn.ModuleList for blocks with extra arguments)"
+        )
+    if not isinstance(repeats, int) or repeats < 1:
+        raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
+    x = example_inputs[0]
+    args = tuple(example_inputs[1:])
+    devices = [x.device.index or 0] if x.device.type == "cuda" else []
+    results = []
+    with torch.random.fork_rng(devices=devices):
+        for module, name in zip(modules, names, strict=True):
+            grads = {p: p.grad for p in module.parameters()}
+            buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
+            for parameter in grads:
+                parameter.grad = None
+            try:
+                block_profile, output = _measure(module, name, x, args, example_kwargs, repeats)
+                x = output.requires_grad_(output.is_floating_point() and (x.requires_grad or _has_grad(module)))
+            finally:
+                for parameter, grad in grads.items():
+                    parameter.grad = grad
+                with torch.no_grad():
+                    for key, value in module.named_buffers():
+                        value.copy_(buffers[key])
+            results.append(block_profile)
+    return Profile(tuple(results), per_block=per_block, device=str(example_inputs[0].device))
