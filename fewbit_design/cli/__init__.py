@@ -12,6 +12,7 @@ below it (the design math, tables, plots, and the runtime lazily, inside a comma
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 
@@ -19,7 +20,7 @@ import click
 
 from ..errors import FewBitError
 from . import design, snr, tables  # noqa: F401  (each registers its commands on the group)
-from ._options import PROG, cli
+from ._options import PROG, cli, short_help
 
 __all__ = ["cli", "main"]
 
@@ -27,6 +28,16 @@ __all__ = ["cli", "main"]
 def _fail(message: str) -> None:
     click.echo(f"{PROG}: error: {message}", err=True)
     sys.exit(2)
+
+
+def for_shell(message: str) -> str:
+    """A library message said to a shell user: Python keyword spellings become the command's options.
+
+    >>> for_shell("output file 'a.json' exists; pass --force (force=True) to overwrite it")
+    "output file 'a.json' exists; pass --force to overwrite it"
+    """
+    message = message.replace("--force (force=True)", "--force")
+    return re.sub(r"(?<![-\w])force=True\b", "--force", message)
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -38,10 +49,13 @@ def main(argv: Sequence[str] | None = None) -> None:
     except click.Abort:
         click.echo(f"{PROG}: aborted", err=True)
         sys.exit(1)
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `fewbit-design`: a short help, not a one-line error
+        click.echo(short_help(exc.ctx) if exc.ctx is not None else exc.format_message(), err=True)
+        sys.exit(2)
     except click.ClickException as exc:
         _fail(exc.format_message().replace("\n", " "))
     except FewBitError as exc:
-        _fail(str(exc))
+        _fail(for_shell(str(exc)))
     except KeyboardInterrupt:
         click.echo(f"{PROG}: interrupted", err=True)
         sys.exit(130)

@@ -11,9 +11,40 @@ import click
 from .._version import __version__
 from ..design.weights import WEIGHT_KINDS
 
-__all__ = ["PROG", "WEIGHT_KINDS", "cli", "weight_options"]
+__all__ = [
+    "PROG",
+    "WEIGHT_KINDS",
+    "ActivationCommand",
+    "cli",
+    "fold_name",
+    "fold_option",
+    "short_help",
+    "weight_options",
+]
 
 PROG = "fewbit-design"
+
+
+def fold_name(value: str | None, choices: tuple[str, ...]) -> str | None:
+    """The choice that ``value`` names, ignoring case, surrounding spaces and ``_`` against ``-``
+    (``Normal``, ``STUDENT_T``); ``value`` unchanged when it names none, so the caller's check quotes what was typed.
+
+    >>> fold_name("Student_T", ("normal", "student-t"))
+    'student-t'
+    """
+    if not isinstance(value, str):
+        return value
+    folded = {choice.lower().replace("_", "-"): choice for choice in choices}
+    return folded.get(value.strip().lower().replace("_", "-"), value)
+
+
+def fold_option(choices: tuple[str, ...]):
+    """A click callback that folds an option's value onto ``choices`` with :func:`fold_name`."""
+
+    def callback(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+        return fold_name(value, choices)
+
+    return callback
 
 
 def weight_options(function):
@@ -25,7 +56,8 @@ def weight_options(function):
             default="uniform",
             show_default=True,
             metavar="|".join(WEIGHT_KINDS),
-            help="Weight w(x): the expected distribution of pre-activations.",
+            callback=fold_option(WEIGHT_KINDS),
+            help="Weight w(x): the expected distribution of pre-activations (any case).",
         ),
         click.option("--loc", type=float, default=None, help="Location of normal/laplace/student-t (default 0)."),
         click.option("--scale", type=float, default=None, help="Scale of normal/laplace/student-t (default 1)."),
@@ -63,6 +95,45 @@ class _DefaultCommandGroup(click.Group):
 
     def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
         formatter.write_usage(ctx.command_path, "ACTIVATION [OPTIONS] | COMMAND [ARGS]...")
+
+    def format_commands(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        rows = [("ACTIVATION", "Design one table (the default; options: fewbit-design gelu --help).")]
+        rows += _command_rows(self, ctx, formatter.width)
+        with formatter.section("Commands"):
+            formatter.write_dl(rows)
+
+
+class ActivationCommand(click.Command):
+    """The default command: its help and usage read ``fewbit-design ACTIVATION [OPTIONS]``, the way a user types it,
+    not the name ``design`` it is registered under (which still works, and is hidden from the command list)."""
+
+    def format_usage(self, ctx: click.Context, formatter: click.HelpFormatter) -> None:
+        root = ctx.find_root().command_path
+        formatter.write_usage(root, "ACTIVATION [OPTIONS]")
+        formatter.write_usage(root, "--activation-module PKG.MOD:FN [OPTIONS]", prefix="   or: ")
+
+
+def _command_rows(group: click.Group, ctx: click.Context, width: int) -> list[tuple[str, str]]:
+    rows = []
+    for name in group.list_commands(ctx):
+        command = group.get_command(ctx, name)
+        if command is not None and not command.hidden:
+            rows.append((name, command.get_short_help_str(limit=max(width - 12 - len(name), 30))))
+    return rows
+
+
+def short_help(ctx: click.Context) -> str:
+    """What ``fewbit-design`` with no arguments prints: the usage line and one line per command."""
+    group = ctx.find_root().command
+    assert isinstance(group, click.Group)
+    formatter = ctx.make_formatter()
+    group.format_usage(ctx, formatter)
+    formatter.write_paragraph()
+    formatter.write_text("Design optimal few-bit approximations of activation derivatives.")
+    group.format_commands(ctx, formatter)
+    formatter.write_paragraph()
+    formatter.write_text(f"Try '{PROG} --help' for examples, or '{PROG} gelu --help' for the design options.")
+    return formatter.getvalue().rstrip("\n")
 
 
 @click.group(cls=_DefaultCommandGroup, context_settings={"help_option_names": ["-h", "--help"]})

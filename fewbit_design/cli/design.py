@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from pathlib import Path
@@ -11,9 +12,10 @@ import click
 import numpy as np
 
 from ..errors import FewBitError, check_bits, check_choice, check_range
-from ._options import WEIGHT_KINDS, cli, weight_options
+from ._options import WEIGHT_KINDS, ActivationCommand, cli, fold_option, weight_options
 
 MODES = ("levelsets", "intervals")
+SPACINGS = ("adaptive", "uniform")
 
 
 def _progress(message: str) -> None:
@@ -31,10 +33,22 @@ def _bound_activation(activation: str | None, module: str | None, params: tuple[
             f"give an activation name or --activation-module, not both (got {activation!r} and {module!r})"
         )
     if module:
+        _current_directory_on_path()
         return activations.from_module(module, parsed)
     if not activation:
         raise FewBitError("missing ACTIVATION (a name from 'fewbit-design list', or --activation-module pkg.mod:fn)")
     return activations.bind(activation, parsed)
+
+
+def _current_directory_on_path() -> None:
+    """Import ``--activation-module`` the way ``python -m`` does: the current directory first on ``sys.path``.
+
+    A console script's ``sys.path`` starts with the script's own folder, so ``mypkg.acts`` in the folder the user
+    stands in would otherwise import only once installed.
+    """
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
 
 
 def _format_params(params: dict[str, Any]) -> str:
@@ -80,7 +94,7 @@ def format_summary(table: Any, seconds: float) -> str:
     return "\n".join(lines)
 
 
-@cli.command("design", context_settings={"help_option_names": ["-h", "--help"]})
+@cli.command("design", cls=ActivationCommand, hidden=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.argument("activation", required=False)
 @click.option("--bits", type=int, default=3, show_default=True, help="Bits per element, 1 to 8 (2**bits codes).")
 @weight_options
@@ -89,6 +103,7 @@ def format_summary(table: Any, seconds: float) -> str:
     default="levelsets",
     show_default=True,
     metavar="levelsets|intervals",
+    callback=fold_option(MODES),
     help="levelsets: optimal quantizer of f'(X); intervals: the paper's 2**bits intervals.",
 )
 @click.option("--symmetric", is_flag=True, help="Intervals mode: quantize |x| (for even derivatives).")
@@ -98,6 +113,7 @@ def format_summary(table: Any, seconds: float) -> str:
     default="adaptive",
     show_default=True,
     metavar="adaptive|uniform",
+    callback=fold_option(SPACINGS),
     help="Grid spacing: half the points follow w (f'')^2, or evenly spaced (the paper's grid).",
 )
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Activation parameter (repeatable).")
@@ -106,7 +122,8 @@ def format_summary(table: Any, seconds: float) -> str:
     "module",
     default=None,
     metavar="PKG.MOD:FN",
-    help="Your own activation fn(x, **params); f' by torch autograd or finite differences.",
+    help="Your own activation fn(x, **params), imported as `python -m` would: the current directory comes first "
+    "on sys.path, so ./mypkg/acts.py works uninstalled. f' by torch autograd or finite differences.",
 )
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the table JSON here.")
 @click.option("--force", is_flag=True, help="Overwrite --out / --plot if they exist.")
@@ -135,7 +152,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
         raise FewBitError("--symmetric applies only to --mode intervals (it quantizes |x|)")
     low, high = check_range(*design_range, name="--range")
     weight_kind = check_choice("--weight", weight, WEIGHT_KINDS)
-    spacing = check_choice("--spacing", spacing, ("adaptive", "uniform"))
+    spacing = check_choice("--spacing", spacing, SPACINGS)
     if grid is not None and not 2**bits + 1 <= grid:
         raise FewBitError(f"--grid must be at least 2**bits + 1 = {2**bits + 1}, got {grid}")
     bound = _bound_activation(activation, module, params)

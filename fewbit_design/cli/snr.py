@@ -26,7 +26,7 @@ import numpy as np
 from ..design import snr as theory
 from ..errors import FewBitError, check_choice, check_positive, parse_int_spec
 from ..table import check_writable, write_bytes_atomic, write_text_atomic
-from ._options import cli
+from ._options import WEIGHT_KINDS, cli, fold_option
 
 ARCHS = ("layerwise", "hybrid", "both")
 DTYPES = ("float32", "float64")
@@ -61,15 +61,28 @@ def _import_torch() -> Any:
 @cli.command("snr")
 @click.argument("activations", nargs=-1)
 @click.option("--bits", default=None, help="Approximation mode: bits to design, e.g. 1-8 or 2,4 (needs ACTIVATION).")
-@click.option("--weight", default="uniform", show_default=True, help="Approximation mode: weight kind w(x).")
-@click.option("--mode", "design_mode", default="levelsets", show_default=True, help="Approximation mode: design mode.")
+@click.option(
+    "--weight",
+    default="uniform",
+    show_default=True,
+    callback=fold_option(WEIGHT_KINDS),
+    help="Approximation mode: weight kind w(x).",
+)
+@click.option(
+    "--mode",
+    "design_mode",
+    default="levelsets",
+    show_default=True,
+    callback=fold_option(("levelsets", "intervals")),
+    help="Approximation mode: design mode.",
+)
 @click.option("--slope", default=None, help="Leaky-ReLU negative slopes [default: 0.1,0.2,0.5].")
 @click.option("--depth", default=None, help="Depths (units or blocks) to measure, e.g. 1-64 [default: 1,2,4,8,16].")
-@click.option("--arch", default=None, help="layerwise, hybrid or both [default: both].")
+@click.option("--arch", default=None, callback=fold_option(ARCHS), help="layerwise, hybrid or both [default: both].")
 @click.option("--channels", type=int, default=None, help="Channels after the stem [default: 8].")
 @click.option("--batch", type=int, default=None, help="Batch size of the measurement [default: 4].")
 @click.option("--size", type=int, default=None, help="Height and width of the input [default: 8].")
-@click.option("--dtype", default=None, help="float32 or float64 [default: float32].")
+@click.option("--dtype", default=None, callback=fold_option(DTYPES), help="float32 or float64 [default: float32].")
 @click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs.")
 @click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Figure file (.png, .pdf, .svg).")
 @click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the numbers.")
