@@ -1,0 +1,67 @@
+"""Checkpoint planning: profile a chain of blocks, plan which segments to recompute, apply the plan.
+
+>>> import torch
+>>> from fewbit_design.runtime import checkpoint
+>>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
+...                                                    torch.nn.Linear(128, 32)) for _ in range(16)])
+>>> x = torch.randn(64, 32)
+>>> profile = checkpoint.profile(blocks, x)
+>>> plan = checkpoint.plan(profile, strategy="sqrt")
+>>> model = checkpoint.apply(blocks, plan)          # or checkpoint.wrap(blocks, x, budget="1MiB")
+>>> model(x).sum().backward()
+
+This package owns the chain's cost model and the checkpoint schedules: ``profile.py`` (measure blocks),
+``cost.py`` (the peak/time model of a schedule, pure Python), ``plan.py`` (strategies: none, sqrt, greedy,
+recursive, optimal DP; budgets), ``apply.py`` (run a plan with ``torch.utils.checkpoint``). It imports torch,
+numpy, the project's errors and :mod:`fewbit_design.runtime.memory`, nothing else of the runtime. For the memory
+planner: :class:`Profile` / :class:`BlockProfile` hold per-block saved bytes, output bytes and time, and
+:func:`predict` gives the peak bytes and extra time of any set of segments.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .apply import CheckpointedSequential, apply, remove
+from .cost import Prediction, Segment, predict
+from .plan import STRATEGIES, Plan, minimum_budget, parse_budget, plan
+from .profile import BlockProfile, Profile, profile
+
+__all__ = [
+    "BlockProfile",
+    "CheckpointedSequential",
+    "Plan",
+    "Prediction",
+    "Profile",
+    "STRATEGIES",
+    "Segment",
+    "apply",
+    "minimum_budget",
+    "parse_budget",
+    "plan",
+    "predict",
+    "profile",
+    "remove",
+    "wrap",
+]
+
+
+def wrap(
+    blocks: Any,
+    *example_inputs: Any,
+    budget: int | str | None = None,
+    strategy: str = "optimal",
+    selective: bool = False,
+    **example_kwargs: Any,
+) -> torch.nn.Module:
+    """Profile, plan and apply in one call: ``apply(blocks, plan(profile(blocks, *example), budget=...))``.
+
+    The plan is kept on the result (``.plan`` of a CheckpointedSequential; for a ModuleList, ``blocks.fewbit_plan``).
+    """
+    chosen = plan(profile(blocks, *example_inputs, **example_kwargs), budget=budget, strategy=strategy)
+    result = apply(blocks, chosen, selective=selective)
+    if isinstance(result, torch.nn.ModuleList):
+        result.fewbit_plan = chosen
+    return result

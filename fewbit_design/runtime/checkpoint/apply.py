@@ -1,0 +1,216 @@
+"""Run a plan: checkpoint the chosen segments with ``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``.
+
+* An ``nn.Sequential`` (or a list of modules) becomes a :class:`CheckpointedSequential`: an ``nn.Sequential`` of
+  the same modules (same parameters, same state-dict keys) whose forward runs the plan's segments.
+* An ``nn.ModuleList`` that a model loops over (Hugging Face decoder layers) is changed in place: each block in a
+  checkpointed segment gets an instance ``forward`` that checkpoints its class's forward, so the model's own loop,
+  hooks, ``isinstance`` checks and state-dict keys stay as they were. :func:`remove` undoes it.
+
+Recomputation replays the random number generator (dropout masks match) and leaves batch-norm running statistics
+as the first forward pass left them (restored after recomputing), so a step updates them once. Under
+``torch.no_grad()`` or in eval mode the blocks run plainly, with no checkpoint overhead. ``selective=True`` is
+Chen's §4.2: recompute only cheap operations and keep the outputs of matrix products and convolutions, through
+``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (the plan's peak prediction assumes full
+recomputation, so it overestimates a selective run).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from ...errors import FewBitError
+from .cost import Segment
+from .plan import Plan
+
+__all__ = ["CheckpointedSequential", "apply", "remove", "KEEP_OPS"]
+
+_aten = torch.ops.aten
+#: operations whose outputs ``selective=True`` keeps instead of recomputing (Chen §4.2)
+KEEP_OPS = frozenset(
+    {
+        _aten.mm.default,
+        _aten.addmm.default,
+        _aten.bmm.default,
+        _aten.baddbmm.default,
+        _aten.convolution.default,
+        _aten._scaled_dot_product_flash_attention.default,
+        _aten._scaled_dot_product_efficient_attention.default,
+    }
+)
+
+
+def _keep_costly(ctx, op, *args, **kwargs) -> CheckpointPolicy:
+    return CheckpointPolicy.MUST_SAVE if op in KEEP_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+def _batch_norms(modules: Sequence[torch.nn.Module]) -> list[torch.nn.modules.batchnorm._BatchNorm]:
+    return [
+        m
+        for module in modules
+        for m in module.modules()
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _keep_running_stats(norms: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """During recomputation: leave batch-norm running statistics as the first forward pass set them."""
+    saved = [
+        [b.detach().clone() for b in (n.running_mean, n.running_var, n.num_batches_tracked) if b is not None]
+        for n in norms
+    ]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, values in zip(norms, saved, strict=True):
+                buffers = [b for b in (norm.running_mean, norm.running_var, norm.num_batches_tracked) if b is not None]
+                for buffer, value in zip(buffers, values, strict=True):
+                    buffer.copy_(value)
+
+
+def _context_fn(modules: Sequence[torch.nn.Module], selective: bool) -> Callable[[], tuple[Any, Any]]:
+    norms = _batch_norms(modules)
+
+    def context_fn():
+        if selective:
+            forward, recompute = create_selective_checkpoint_contexts(_keep_costly)
+        else:
+            forward, recompute = contextlib.nullcontext(), contextlib.nullcontext()
+        if not norms:
+            return forward, recompute
+
+        @contextlib.contextmanager
+        def recompute_keeping_stats():
+            with recompute, _keep_running_stats(norms):
+                yield
+
+        return forward, recompute_keeping_stats()
+
+    return context_fn
+
+
+def _checkpointing(module: torch.nn.Module) -> bool:
+    return torch.is_grad_enabled() and module.training
+
+
+class CheckpointedSequential(torch.nn.Sequential):
+    """An ``nn.Sequential`` of the original modules that runs a :class:`Plan`'s segments (checkpointed ones
+    through ``torch.utils.checkpoint``). Parameters and state-dict keys are the original's."""
+
+    def __init__(self, modules: Sequence[torch.nn.Module] | torch.nn.Sequential, plan: Plan, *, selective: bool):
+        if isinstance(modules, torch.nn.Sequential):
+            super().__init__(OrderedDict(modules._modules))
+        else:
+            super().__init__(*modules)
+        self.plan = plan
+        self.selective = selective
+        blocks = list(self)
+        self._contexts = {}
+        for segment in _all_checkpointed(plan.segments):
+            self._contexts[(segment.start, segment.stop)] = _context_fn(blocks[segment.start : segment.stop], selective)
+
+    def forward(self, x: Any) -> Any:  # noqa: D102 (nn.Module.forward)
+        if not _checkpointing(self):
+            return super().forward(x)
+        return self._run(self.plan.segments, x)
+
+    def _run(self, segments: Sequence[Segment], x: Any) -> Any:
+        blocks = list(self)
+        for segment in segments:
+            if segment.checkpoint:
+                children = segment.children or (Segment(segment.start, segment.stop, False),)
+                x = checkpoint(
+                    functools.partial(self._run, children),
+                    x,
+                    use_reentrant=False,
+                    context_fn=self._contexts[(segment.start, segment.stop)],
+                )
+            else:
+                for block in blocks[segment.start : segment.stop]:
+                    x = block(x)
+        return x
+
+    def extra_repr(self) -> str:
+        return f"plan={self.plan.strategy!r}, checkpointed={self.plan.checkpointed}"
+
+
+def _all_checkpointed(segments: Sequence[Segment]) -> Iterator[Segment]:
+    for segment in segments:
+        if segment.checkpoint:
+            yield segment
+            yield from _all_checkpointed(segment.children)
+
+
+def _checkpointed_forward(module: torch.nn.Module, original: Callable, context_fn: Callable) -> Callable:
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        if not _checkpointing(module):
+            return original(*args, **kwargs)
+        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+
+    forward.__fewbit_checkpoint__ = True  # type: ignore[attr-defined]
+    return forward
+
+
+def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Module:
+    """Undo :func:`apply`: a ModuleList's blocks get their class's forward back; a CheckpointedSequential becomes a
+    plain ``nn.Sequential`` of the same modules."""
+    if isinstance(blocks, CheckpointedSequential):
+        return torch.nn.Sequential(OrderedDict(blocks._modules))
+    if isinstance(blocks, torch.nn.ModuleList):
+        for block in blocks:
+            if getattr(block.__dict__.get("forward"), "__fewbit_checkpoint__", False):
+                del block.forward
+        return blocks
+    raise FewBitError(f"remove takes what apply returned, got {type(blocks).__name__}")
+
+
+def apply(blocks: Any, plan: Plan, *, selective: bool = False) -> torch.nn.Module:
+    """Checkpoint ``blocks`` as ``plan`` says (see the module docstring).
+
+    Args:
+        blocks: the container that was profiled (an ``nn.Sequential``, a list of modules, or an ``nn.ModuleList``).
+        plan: from :func:`.plan.plan`, for as many blocks.
+        selective: Chen §4.2: inside checkpointed segments keep matrix-product and convolution outputs, recompute
+            the rest.
+
+    Returns a :class:`CheckpointedSequential` for a Sequential or a list, and the same ModuleList (changed in
+    place) for a ModuleList.
+    """
+    if not isinstance(plan, Plan):
+        raise FewBitError(f"apply needs a Plan from plan(), got {type(plan).__name__}")
+    n = plan.segments[-1].stop if plan.segments else 0
+    if isinstance(blocks, torch.nn.ModuleList):
+        if len(blocks) != n:
+            raise FewBitError(f"the plan is for {n} blocks, but the ModuleList has {len(blocks)}")
+        long = [(s.start, s.stop) for s in plan.segments if s.checkpoint and (s.stop - s.start > 1 or s.children)]
+        if long:
+            raise FewBitError(
+                f"an nn.ModuleList is checkpointed block by block, but the plan has multi-block segments {long}; "
+                "plan it from a profile of the ModuleList"
+            )
+        remove(blocks)
+        for segment in plan.segments:
+            if segment.checkpoint:
+                block = blocks[segment.start]
+                original = block.forward
+                block.forward = _checkpointed_forward(block, original, _context_fn([block], selective))
+        return blocks
+    if isinstance(blocks, CheckpointedSequential):
+        blocks = list(blocks)
+    if isinstance(blocks, torch.nn.Sequential) or (
+        isinstance(blocks, Sequence) and all(isinstance(b, torch.nn.Module) for b in blocks)
+    ):
+        if len(blocks) != n:
+            raise FewBitError(f"the plan is for {n} blocks, but {len(blocks)} were given")
+        return CheckpointedSequential(blocks, plan, selective=selective)
+    raise FewBitError(
+        f"blocks must be an nn.Sequential, an nn.ModuleList or a list of modules, got {type(blocks).__name__}"
+    )
