@@ -49,6 +49,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ...table import Table
 from .._packing import pack_reference, packed_nbytes, unpack_reference
+from .tables import check_kernel_table
 
 __all__ = [
     "BACKENDS",
@@ -72,6 +73,7 @@ __all__ = [
     "use_backend",
     "backend_for",
     "fewbit_activation",
+    "nonfinite_record",
 ]
 
 BACKENDS = ("auto", "reference", "numba", "triton")
@@ -117,7 +119,7 @@ def boundaries_float32(boundaries: np.ndarray) -> np.ndarray:
 def _check_table(table: Any) -> Table:
     if not isinstance(table, Table):
         raise FewBitError(f"expected a fewbit_design.table.Table, got {type(table).__name__}")
-    return table
+    return check_kernel_table(table)
 
 
 def encode_table(table: Table) -> dict[str, torch.Tensor]:
@@ -515,7 +517,49 @@ SECOND_ORDER_MESSAGE = (
 )
 
 
+def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The sparse record of x's non-finite elements: (positions, values), or None when every element is finite.
+
+    ``positions`` are int64 indices into x flattened in logical (row-major) order, ``values`` x's NaN / +-inf there
+    (x's dtype). The common, all-finite case costs one reduction over x (``sum``: finite sum => every element
+    finite; a non-finite sum, from NaN, inf or an overflowing sum of finite values, runs the exact scan) and saves
+    nothing.
+    """
+    detached = x.detach()
+    if detached.numel() == 0 or bool(torch.isfinite(torch.sum(detached, dtype=_accumulation_dtype(x.dtype)))):
+        return None
+    mask = ~torch.isfinite(detached)
+    positions = torch.nonzero(mask.reshape(-1)).reshape(-1)
+    if positions.numel() == 0:  # the sum overflowed, the elements are finite
+        return None
+    return positions, detached[mask]
+
+
+def _nonfinite_gradient(
+    native: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor, grad: torch.Tensor
+) -> torch.Tensor:
+    """torch's own gradient of ``native`` at the (few) non-finite ``values``, for the incoming ``grad`` there."""
+    try:
+        with torch.enable_grad():
+            inputs = values.detach().requires_grad_()
+            outputs = native(inputs)
+            (result,) = torch.autograd.grad(outputs, inputs, grad.to(outputs.dtype))
+        return result
+    except RuntimeError:  # a function torch cannot differentiate: mark the positions as NaN
+        return torch.full_like(values, float("nan"))
+
+
 class _FewBitFunction(torch.autograd.Function):
+    # Non-finite inputs (issue 16.1): codes have no spare value, so NaN and +-inf elements are kept in a sparse
+    # record beside the packed codes (nonfinite_record: positions + values, None when all finite, i.e. zero extra
+    # bytes in the common case); backward replaces the gradient there by torch's own gradient at those values (NaN
+    # for silu / gelu at NaN or inf, 0 for tanh / sigmoid at +-inf, ...). Under torch.compile (no data-dependent
+    # shapes) a 0-dim flag "x had a non-finite element" is saved instead and makes the whole gradient NaN, which
+    # keeps overflow detection (GradScaler) working.
     @staticmethod
     def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
@@ -523,23 +567,34 @@ class _FewBitFunction(torch.autograd.Function):
         # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
         if torch.compiler.is_compiling():
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
+            flag = ~torch.isfinite(torch.sum(x.detach(), dtype=_accumulation_dtype(x.dtype)))
+            record = (flag, None)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
+            record = nonfinite_record(x) or (None, None)
         y = native(x)
-        ctx.save_for_backward(packed, levels32, levels64)
+        ctx.save_for_backward(packed, levels32, levels64, *record)
         ctx.bits = bits
+        ctx.native = native if record[0] is not None else None
         return y
 
     @staticmethod
     def backward(ctx, grad):
         if torch.is_grad_enabled():
             raise FewBitError(SECOND_ORDER_MESSAGE.format(bits=ctx.bits))
-        packed, levels32, levels64 = ctx.saved_tensors
+        packed, levels32, levels64, positions, values = ctx.saved_tensors
         levels = levels64 if grad.dtype == torch.float64 else levels32
         if torch.compiler.is_compiling():
             grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
+            if positions is not None:  # the compiled form's flag
+                grad_input = torch.where(positions, torch.full_like(grad_input, float("nan")), grad_input)
         else:
             grad_input = scale(grad, packed, levels, ctx.bits)
+            if positions is not None and values is None:  # saved by a compiled forward, run eagerly
+                grad_input = torch.where(positions, torch.full_like(grad_input, float("nan")), grad_input)
+            elif positions is not None:
+                exact = _nonfinite_gradient(ctx.native, values, grad.reshape(-1)[positions])
+                grad_input.view(-1)[positions] = exact.to(grad_input.dtype)
         return grad_input, None, None, None, None, None, None
 
 

@@ -19,13 +19,16 @@ import functools
 import json
 import math
 import os
+import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice
-from ...table import MODES, Table, load
+from ...table import MODES, Table, loads
 
 __all__ = [
     "INDEX_FORMAT",
@@ -38,12 +41,86 @@ __all__ = [
     "as_table",
     "resolve_table",
     "design_command",
+    "MAX_TABLE_BYTES",
+    "MAX_NESTING",
+    "read_table_text",
+    "check_kernel_table",
 ]
 
 INDEX_FORMAT = "fewbit-index/1"
 TABLES_ENV = "FEWBIT_TABLES_DIR"
 WEIGHTS = ("uniform", "normal")
 _PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "tables"
+
+# Bounds checked before a table file is parsed (issue 16.3). The largest shipped table (8 bits, 510 boundaries) is
+# 18 KB and nests 3 deep (object -> params / weight / design -> values); a table file 200x larger or 10x deeper is
+# not a table, and Python's JSON decoder recurses once per level (10**5 brackets raise RecursionError).
+MAX_TABLE_BYTES = 4 * 1024 * 1024
+MAX_NESTING = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a JSON string literal (its brackets are not nesting)
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of JSON arrays / objects in ``text`` (brackets inside strings do not count)."""
+    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)) - np.isin(brackets, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def read_table_text(path: str | os.PathLike) -> str:
+    """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing."""
+    path = Path(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_TABLE_BYTES:
+            raise FewBitError(
+                f"table file {str(path)!r}: file size {size} bytes exceeds the limit of {MAX_TABLE_BYTES} bytes "
+                "(the largest shipped table is under 20 KB): not a table file"
+            )
+        with path.open("rb") as handle:
+            data = handle.read(MAX_TABLE_BYTES + 1)
+        text = data.decode("utf-8")
+    except FileNotFoundError:
+        raise FewBitError(f"table file {str(path)!r} does not exist") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FewBitError(f"table file {str(path)!r} cannot be read: {exc}") from None
+    if len(data) > MAX_TABLE_BYTES:
+        raise FewBitError(f"table file {str(path)!r}: file size exceeds the limit of {MAX_TABLE_BYTES} bytes")
+    depth = _nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise FewBitError(
+            f"table file {str(path)!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
+            "(a table nests 3 deep): not a table file"
+        )
+    return text
+
+
+def _load_path(path: str | os.PathLike) -> Table:
+    table = loads(read_table_text(path), source=str(path))
+    return check_kernel_table(table)
+
+
+def check_kernel_table(table: Table) -> Table:
+    """``table`` itself, after checking that it survives the cast to the kernels' dtypes.
+
+    Levels must be finite in float32 (the compute dtype of float32, float16 and bfloat16 inputs): a level of 1e300
+    is finite in float64 but would give infinite gradients. Boundaries need no such check: one beyond the float32
+    range rounds up to +inf or to the lowest float32 (:func:`~fewbit_design.runtime.fewbit.ops.boundaries_float32`),
+    and ``x >= boundary`` still holds for exactly the same float32 x (+inf: only x = +inf, as in float64), so the
+    intervals stay exact.
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        levels32 = np.asarray(table.levels, dtype=np.float64).astype(np.float32)
+    bad = np.nonzero(~np.isfinite(levels32))[0]
+    if bad.size:
+        where = f"table {table.source!r}" if table.source else "table"
+        index = int(bad[0])
+        raise FewBitError(
+            f"{where}: field 'levels' [{index}] = {float(table.levels[index])!r} is not finite in float32 "
+            "(the dtype the kernels multiply in): levels must lie within +-3.4e38"
+        )
+    return table
+
 
 TableLike = Table | Mapping[str, Any] | str | os.PathLike
 
@@ -184,7 +261,7 @@ def _load_shipped(name: str, params_key: tuple, bits: int, weight: str, mode: st
     path = (Path(folder) / str(entry["file"])).resolve()
     if Path(folder) not in path.parents:
         raise FewBitError(f"table index {str(index)!r}: file {entry['file']!r} lies outside the tables folder")
-    table = load(path)
+    table = _load_path(path)
     found = (table.activation, table.bits, table.mode)
     if found != (name, bits, mode) or not _same_params(activations.bind(name, table.params).params, bound.params):
         raise FewBitError(
@@ -202,7 +279,7 @@ def _literal(text: str) -> Any:
 
 @functools.lru_cache(maxsize=64)
 def _load_file_cached(path: str, mtime_ns: int, size: int) -> Table:
-    return load(path)
+    return _load_path(path)
 
 
 def load_table_file(path: str | os.PathLike) -> Table:
@@ -220,9 +297,9 @@ def load_table_file(path: str | os.PathLike) -> Table:
 def as_table(table: TableLike) -> Table:
     """A :class:`Table` from a Table, a ``fewbit-table/1`` dict, or a path to a table file."""
     if isinstance(table, Table):
-        return table
+        return check_kernel_table(table)
     if isinstance(table, Mapping):
-        return Table.from_dict(dict(table), source="<dict>")
+        return check_kernel_table(Table.from_dict(dict(table), source="<dict>"))
     if isinstance(table, str | os.PathLike):
         return load_table_file(table)
     raise FewBitError(f"table must be a Table, a dict or a path to a table file, got {type(table).__name__}")
