@@ -57,7 +57,7 @@ def restore(raw: torch.Tensor, layout: Layout) -> torch.Tensor:
         typed = torch.empty(0, dtype=layout.dtype, device=raw.device)
     else:
         typed = raw.view(layout.dtype)
-    tensor = typed.as_strided(layout.size, layout.stride, 0)
+    tensor = typed.as_strided(layout.size, layout.stride, typed.storage_offset())  # offset is absolute
     if layout.conj:
         tensor = tensor.conj()
     if layout.neg:
