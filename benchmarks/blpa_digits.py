@@ -4,8 +4,11 @@ Trains the same network (same initialization, same data order per seed) exactly,
 with the paper's naive 8-bit baseline (quantized activations also in the forward pass), and prints test accuracy
 per mode (mean over seeds) and the difference to exact. Writes a CSV with one row per (mode, seed).
 
-    python benchmarks/blpa_digits.py                    # depth 38, 3 seeds
-    python benchmarks/blpa_digits.py --quick            # depth 11, 1 seed, few epochs
+    python benchmarks/blpa_digits.py            # depth 38, 5 epochs, 1 seed, 4 modes: a few minutes on 2 cores
+    python benchmarks/blpa_digits.py --full     # the README's run: depth 38, 20 epochs, 5 seeds, 4 modes (~1 hour)
+    python benchmarks/blpa_digits.py --quick    # smoke test: depth 11, 4 epochs, 1 seed
+
+--depth, --epochs and --seeds given explicitly override the preset.
 """
 
 from __future__ import annotations
@@ -30,6 +33,11 @@ MODES = {  # name: (bits, naive)
     "naive-4bit": (4, True),
 }
 DEFAULT_MODES = ("exact", "blpa-8bit", "blpa-4bit", "naive-8bit")
+PRESETS = {  # name: (depth, epochs, seeds)
+    "default": (38, 5, 1),
+    "full": (38, 20, 5),
+    "quick": (11, 4, 1),
+}
 
 
 def load_digits_split(seed: int = 0, test_fraction: float = 0.25):
@@ -88,21 +96,34 @@ def train_and_evaluate(
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--depth", type=int, default=38, help="9n + 2 (default 38)")
+    parser.add_argument("--depth", type=int, default=None, help="9n + 2 (default 38)")
     parser.add_argument("--width", type=int, default=1)
-    parser.add_argument("--epochs", type=int, default=30)
-    parser.add_argument("--seeds", type=int, default=3)
+    parser.add_argument("--epochs", type=int, default=None, help="default 5 (--full: 20, --quick: 4)")
+    parser.add_argument("--seeds", type=int, default=None, help="default 1 (--full: 5)")
     parser.add_argument(
         "--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ", ".join(MODES)
     )
     parser.add_argument(
         "--threads", type=int, default=1, help="torch threads (0: torch's default; 1 is robust on a busy machine)"
     )
-    parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "blpa_digits.csv")
-    parser.add_argument("--quick", action="store_true", help="depth 11, 1 seed, 4 epochs")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        default=None,
+        help="default: results/blpa_digits.csv for --full, results/blpa_digits_<preset>.csv otherwise",
+    )
+    preset = parser.add_mutually_exclusive_group()
+    preset.add_argument("--full", action="store_true", help="the README's run: depth 38, 20 epochs, 5 seeds")
+    preset.add_argument("--quick", action="store_true", help="smoke test: depth 11, 4 epochs, 1 seed")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.depth, args.seeds, args.epochs = 11, 1, 4
+    preset_name = "full" if args.full else "quick" if args.quick else "default"
+    depth, epochs, seeds = PRESETS[preset_name]
+    if args.csv is None:
+        suffix = "" if preset_name == "full" else f"_{preset_name}"
+        args.csv = Path(__file__).parent / "results" / f"blpa_digits{suffix}.csv"
+    args.depth = depth if args.depth is None else args.depth
+    args.epochs = epochs if args.epochs is None else args.epochs
+    args.seeds = seeds if args.seeds is None else args.seeds
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     unknown = [m for m in modes if m not in MODES]
     if unknown:
@@ -123,14 +144,24 @@ def main(argv: list[str] | None = None) -> int:
             result = train_and_evaluate(
                 data, depth=args.depth, bits=bits, naive=naive, seed=seed, epochs=args.epochs, width=args.width
             )
-            rows.append({"mode": mode, "seed": seed, **{k: v for k, v in result.items() if k != "losses"}})
+            rows.append(
+                {
+                    "mode": mode,
+                    "seed": seed,
+                    "depth": args.depth,
+                    "epochs": args.epochs,
+                    **{k: v for k, v in result.items() if k != "losses"},
+                }
+            )
             print(
                 f"  {mode:<11} seed {seed}: test accuracy {result['accuracy']:6.2f}%  final train loss "
                 f"{result['final_train_loss']:.4f}  ({result['seconds']:.1f} s)",
                 flush=True,
             )
     with args.csv.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["mode", "seed", "accuracy", "final_train_loss", "seconds"])
+        writer = csv.DictWriter(
+            handle, fieldnames=["mode", "seed", "depth", "epochs", "accuracy", "final_train_loss", "seconds"]
+        )
         writer.writeheader()
         writer.writerows(rows)
 
