@@ -8,7 +8,7 @@ ratio against exact measured in the same run.
 Prints a table and writes a CSV.
 
     python benchmarks/blpa_memory.py                     # depths 164, 254, 488, 1001
-    python benchmarks/blpa_memory.py --quick             # depth 164 only, one timed repeat
+    python benchmarks/blpa_memory.py --quick             # depth 164 only (median of 3): results/blpa_memory_quick.csv
 """
 
 from __future__ import annotations
@@ -58,12 +58,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per configuration")
     parser.add_argument("--budget-gib", type=float, default=11.0, help="memory budget (default 11: a 1080Ti)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "blpa_memory.csv")
+    parser.add_argument(
+        "--csv",
+        type=Path,
+        default=None,
+        help="default: results/blpa_memory.csv (--quick: results/blpa_memory_quick.csv)",
+    )
     parser.add_argument("--backend", default="auto", help="element-wise BLPA work: auto, torch or numba")
-    parser.add_argument("--quick", action="store_true", help="depth 164 only, one timed repeat")
+    parser.add_argument("--quick", action="store_true", help="depth 164 only (still a median of --repeats)")
     args = parser.parse_args(argv)
     depths = [164] if args.quick else [int(d) for d in args.depths.split(",") if d.strip()]
-    repeats = 1 if args.quick else args.repeats
+    repeats = args.repeats
+    if repeats < 1:
+        parser.error(f"--repeats must be at least 1, got {repeats}")
+    if args.csv is None:
+        args.csv = Path(__file__).parent / "results" / ("blpa_memory_quick.csv" if args.quick else "blpa_memory.csv")
     if args.threads:
         torch.set_num_threads(args.threads)
     blpa.set_backend(args.backend)
