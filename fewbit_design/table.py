@@ -40,6 +40,16 @@ def format_float(value: float) -> float:
     return float(f"{value:.{_SIGNIFICANT_DIGITS}g}")
 
 
+def _format_values(values: np.ndarray, exact: Any) -> list[float]:
+    """Values rounded by :func:`format_float`, except those at the ``exact`` indices, written in full.
+
+    Exact values are kinks and their float neighbours (a boundary at nextafter(-1, +inf) must not round to -1) and
+    constant derivatives (1/6), so that the runtime reproduces torch's derivative bitwise there.
+    """
+    keep = {int(i) for i in exact if isinstance(i, int) and not isinstance(i, bool)}
+    return [float(v) if i in keep else format_float(v) for i, v in enumerate(values)]
+
+
 def _fail(source: str | None, name: str, message: str) -> FewBitError:
     where = f"table {source!r}" if source else "table"
     return FewBitError(f"{where}: field {name!r} {message}")
@@ -103,6 +113,8 @@ class Table:
 
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
+        """The ``fewbit-table/1`` object: 12 significant digits, except the values ``design.exact`` marks exact."""
+        exact = self.design.get("exact") if isinstance(self.design.get("exact"), dict) else {}
         return {
             "format": FORMAT,
             "activation": self.activation,
@@ -111,9 +123,9 @@ class Table:
             "mode": self.mode,
             "symmetric": bool(self.symmetric),
             "weight": dict(self.weight),
-            "boundaries": [format_float(b) for b in self.boundaries],
+            "boundaries": _format_values(self.boundaries, exact.get("boundaries", ())),
             "codes": [int(c) for c in self.codes],
-            "levels": [format_float(y) for y in self.levels],
+            "levels": _format_values(self.levels, exact.get("levels", ())),
             "error": format_float(self.error),
             "snr_db": None if self.snr_db is None else format_float(self.snr_db),
             "design": dict(self.design),

@@ -56,6 +56,8 @@ CASES = [
     ("hardshrink", {}),
     ("hardshrink", {"lambd": 0.0}),
     ("hardshrink", {"lambd": 1.5}),
+    ("quick_gelu", {}),
+    ("relu_squared", {}),
     ("hardshrink", {"lambd": -1.0}),
     ("threshold", {}),
     ("threshold", {"threshold": 1.0, "value": -2.0}),
@@ -75,9 +77,17 @@ def _points(bound: activations.BoundActivation) -> np.ndarray:
     return np.concatenate([np.linspace(-12.0, 12.0, 2001), rng.normal(0.0, 4.0, 500), near, [0.0, -0.0]])
 
 
+# Registry entries without a torch.nn module: the formula of the model library's module, in torch.
+NOT_TORCH_NN = {
+    "quick_gelu": lambda t: t * torch.sigmoid(1.702 * t),  # transformers QuickGELUActivation
+    "relu_squared": lambda t: torch.square(torch.relu(t)),  # transformers ReLUSquaredActivation
+}
+
+
 def _torch_values(bound: activations.BoundActivation, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
-    y = bound.torch_module()(t)
+    function = NOT_TORCH_NN.get(bound.name) or bound.torch_module()
+    y = function(t)
     (grad,) = torch.autograd.grad(y.sum(), t)
     return y.detach().numpy(), grad.numpy()
 
@@ -88,15 +98,40 @@ def test_registry_has_every_torch_pointwise_activation():
         "Softsign", "Hardtanh", "Hardsigmoid", "Hardswish", "LogSigmoid", "Tanhshrink", "Softshrink", "Hardshrink",
         "Threshold",
     }  # fmt: skip
-    assert {entry.torch_name for entry in activations.REGISTRY.values()} == expected
+    assert {entry.torch_name for entry in activations.REGISTRY.values() if entry.torch_name} == expected
+    assert {entry.name for entry in activations.REGISTRY.values() if not entry.torch_name} == set(NOT_TORCH_NN)
     assert activations.names() == list(activations.REGISTRY)
     assert {name for name, _ in CASES} == set(activations.names())
     for entry in activations.REGISTRY.values():
         # the canonical name is the torch.nn.functional spelling
-        assert callable(getattr(torch.nn.functional, entry.name)), entry.name
+        if entry.torch_name:
+            assert callable(getattr(torch.nn.functional, entry.name)), entry.name
 
 
-@pytest.mark.parametrize("name", sorted(activations.REGISTRY))
+@pytest.mark.parametrize(
+    ("name", "module"), [("quick_gelu", "QuickGELUActivation"), ("relu_squared", "ReLUSquaredActivation")]
+)
+def test_model_library_activations_match_transformers(name, module):
+    hf = pytest.importorskip("transformers.activations")
+    bound = activations.get(module).bind()
+    assert bound.name == name
+    x = _points(bound)
+    t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
+    y = getattr(hf, module)()(t)
+    (grad,) = torch.autograd.grad(y.sum(), t)
+    np.testing.assert_allclose(bound.f(x), y.detach().numpy(), rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(bound.df(x), grad.numpy(), rtol=1e-12, atol=1e-12)
+    with pytest.raises(FewBitError, match="not a torch.nn activation"):
+        bound.torch_module()
+
+
+def test_gelu_tanh_is_a_registry_variant():
+    bound = activations.bind("gelu", {"approximate": "tanh"})
+    assert bound.params == {"approximate": "tanh"}
+    assert isinstance(bound.torch_module(), torch.nn.GELU) and bound.torch_module().approximate == "tanh"
+
+
+@pytest.mark.parametrize("name", sorted(name for name, entry in activations.REGISTRY.items() if entry.torch_name))
 def test_defaults_are_torchs(name):
     import inspect
 

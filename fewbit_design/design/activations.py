@@ -198,7 +198,8 @@ class BoundActivation:
     def torch_module(self) -> Any:
         """``torch.nn.<torch_name>(**params)`` (imports torch now)."""
         if not self.activation.torch_name:
-            raise FewBitError(f"activation '{self.name}' has no torch.nn module (it is a user activation)")
+            what = "a user activation" if self.activation._open_params else "not a torch.nn activation"
+            raise FewBitError(f"activation '{self.name}' has no torch.nn module (it is {what})")
         import torch
 
         return getattr(torch.nn, self.activation.torch_name)(**self.params)
@@ -357,6 +358,29 @@ def _dhardswish(x, p):
     # torch 2.13 hardswish_backward: x <= -3 -> 0; -3 < x < 3 -> x / 3 + 0.5; x >= 3 -> 1
     # (older torch releases used x < -3 and x <= 3, i.e. -0.5 and 1.5 at the kinks themselves)
     return np.where(x <= -3.0, 0.0, np.where(x < 3.0, x / 3.0 + 0.5, 1.0))
+
+
+QUICK_GELU_SCALE = 1.702
+
+
+def _quick_gelu(x, p):
+    return x * _expit(QUICK_GELU_SCALE * x)
+
+
+def _dquick_gelu(x, p):
+    # d/dx x sigmoid(a x) = s + a x s (1 - s), s = sigmoid(a x) (autograd of transformers' QuickGELUActivation)
+    s = _expit(QUICK_GELU_SCALE * x)
+    return s + QUICK_GELU_SCALE * x * s * (1.0 - s)
+
+
+def _relu_squared(x, p):
+    r = np.maximum(x, 0.0)
+    return r * r
+
+
+def _drelu_squared(x, p):
+    # autograd of relu(x) ** 2: 2 relu(x) relu'(x) = 2 x for x > 0, else 0 (0 at the kink, where f' is continuous)
+    return np.where(x > 0.0, 2.0 * x, 0.0)
 
 
 def _logsigmoid(x, p):
@@ -592,12 +616,33 @@ def _entries() -> list[Activation]:
             breakpoints=lambda p: (p["threshold"],),
             description="x if x > threshold else value (registry defaults 0, 0: torch has none)",
         ),
+        # Closed-form activations of the model libraries that torch.nn does not have (no torch.nn module).
+        _entry(
+            "quick_gelu",
+            "",
+            _quick_gelu,
+            _dquick_gelu,
+            description="x * sigmoid(1.702 x) (transformers QuickGELUActivation, CLIP)",
+        ),
+        _entry(
+            "relu_squared",
+            "",
+            _relu_squared,
+            _drelu_squared,
+            breakpoints=(0.0,),
+            description="relu(x)^2 (transformers ReLUSquaredActivation, Primer); f' = 2 relu(x)",
+        ),
     ]
 
 
 REGISTRY: dict[str, Activation] = {entry.name: entry for entry in _entries()}
 
-_ALIASES = {"swish": "silu"}
+_ALIASES = {
+    "swish": "silu",
+    "quickgeluactivation": "quick_gelu",
+    "relusquaredactivation": "relu_squared",
+    "relu2": "relu_squared",
+}
 
 
 def _key(name: str) -> str:
@@ -605,7 +650,7 @@ def _key(name: str) -> str:
 
 
 _LOOKUP: dict[str, str] = {_key(alias): target for alias, target in _ALIASES.items()}
-_LOOKUP.update({_key(entry.torch_name): entry.name for entry in REGISTRY.values()})
+_LOOKUP.update({_key(entry.torch_name): entry.name for entry in REGISTRY.values() if entry.torch_name})
 _LOOKUP.update({_key(entry.name): entry.name for entry in REGISTRY.values()})
 
 
@@ -627,7 +672,8 @@ def get(name: str) -> Activation:
     canonical = _LOOKUP.get(_key(name))
     if canonical is not None:
         return REGISTRY[canonical]
-    matches = close_matches(name, list(REGISTRY) + [e.torch_name for e in REGISTRY.values()] + list(_ALIASES))
+    torch_names = [e.torch_name for e in REGISTRY.values() if e.torch_name]
+    matches = close_matches(name, list(REGISTRY) + torch_names + list(_ALIASES))
     suggestions: list[str] = []
     for match in matches:
         target = _LOOKUP[_key(match)]

@@ -40,6 +40,7 @@ from .._version import __version__
 from ..errors import FewBitError, check_bits, check_choice, check_range
 from ..table import MODES, Table, format_float
 from . import activations as registry
+from .canonical import canonicalize
 from .integrals import Antiderivative, Problem, cell_integrals, integrate, make_grid, prefix_integrals, split_at
 from .refine import refine_intervals, refine_levelsets, regions_loss
 from .weights import Weight, make_weight
@@ -200,8 +201,14 @@ def design(
     else:
         boundaries, codes, levels, info = _design_levelsets(full, w, major, bits, points, refine, spacing, say)
 
+    say("canonical form (kinks, exact constants, flat runs, mirror images)")
+    canonical = canonicalize(
+        boundaries, codes, levels, df=bound.df, breakpoints=bound.breakpoints, weight=w, low=w.low, high=w.high,
+        mode=mode, symmetric=symmetric,
+    )  # fmt: skip
+    boundaries, codes, levels = canonical.boundaries, canonical.codes, canonical.levels
     say("final error by adaptive quadrature")
-    error = info["error"] if "error" in info else table_error(full, boundaries, codes, levels)
+    error = table_error(full, boundaries, codes, levels)
     signal = signal_power(full)
     snr_db = 10.0 * math.log10(signal / error) if error > 0 and signal > 0 else None
     record = {"grid": int(points), "refined": bool(info["refined"]), "version": __version__}
@@ -209,6 +216,8 @@ def design(
     record["iterations"] = int(info["iterations"])
     if "start" in info:
         record["start"] = info["start"]
+    if canonical.exact_boundaries or canonical.exact_levels:
+        record["exact"] = {"boundaries": canonical.exact_boundaries, "levels": canonical.exact_levels}
     return Table(
         activation=bound.name,
         params=dict(bound.params),

@@ -1,16 +1,19 @@
 """The shipped table set: what it contains, how it is built deterministically, and how it is verified.
 
-The set is every registry activation at torch's default parameters x bits 1..8 x two modes (``levelsets``;
-``intervals``, with ``symmetric`` where f' is even) x two weights: ``uniform`` (w = 1 on [-10, 10]) and
-``normal`` (the standard normal density on [-10, 10]). Files live in ``fewbit_design/tables/<activation>/`` and
-``fewbit_design/tables/index.json`` lists every table with its key and error, so the runtime finds a table
-without scanning (format ``fewbit-index/1``).
+The set is every registry activation at torch's default parameters, plus the ``VARIANTS`` (gelu with
+approximate='tanh'), x bits 1..8 x two modes (``levelsets``; ``intervals``, with ``symmetric`` where f' is even) x two
+weights: ``uniform`` (w = 1 on [-10, 10]) and ``normal`` (the standard normal density on [-10, 10]). Files live in
+``fewbit_design/tables/<activation>/`` (a variant in ``<activation>-<value>/``, e.g. ``gelu-tanh/``) and
+``fewbit_design/tables/index.json`` lists every table with its key (activation, params, bits, mode, symmetric,
+weight) and error, so the runtime finds a table without scanning (format ``fewbit-index/1``).
+
+``verify`` and ``build(check=True)`` compare tables by the cross-machine definition of :mod:`.same`; byte-for-byte
+equality of a rebuild is expected only on the same machine and versions.
 """
 
 from __future__ import annotations
 
 import json
-import math
 import os
 import random
 from collections.abc import Callable, Iterable, Sequence
@@ -29,6 +32,7 @@ __all__ = [
     "table_specs",
     "build_table",
     "build",
+    "check",
     "verify",
     "read_index",
 ]
@@ -43,7 +47,8 @@ SHIPPED_WEIGHTS: dict[str, dict[str, Any]] = {
 }
 BITS = tuple(range(1, 9))
 MODES = ("levelsets", "intervals")
-RELATIVE_TOLERANCE = 1e-9
+#: Parameter sets shipped besides torch's defaults: activation -> list of non-default params.
+VARIANTS: dict[str, list[dict[str, Any]]] = {"gelu": [{"approximate": "tanh"}]}
 
 
 @dataclass(frozen=True)
@@ -55,12 +60,19 @@ class TableSpec:
     mode: str
     symmetric: bool
     weight: str
+    #: Non-default parameters as sorted (name, value) pairs; () for torch's defaults.
+    params: tuple[tuple[str, Any], ...] = ()
+
+    @property
+    def folder(self) -> str:
+        """``<activation>`` or, for a variant, ``<activation>-<value>...`` (e.g. ``gelu-tanh``)."""
+        return "-".join([self.activation, *(str(value) for _, value in self.params)])
 
     @property
     def file(self) -> str:
         """Path relative to the tables folder, e.g. ``gelu/levelsets-uniform-3bit.json``."""
         mode = "intervals-symmetric" if self.symmetric else self.mode
-        return f"{self.activation}/{mode}-{self.weight}-{self.bits}bit.json"
+        return f"{self.folder}/{mode}-{self.weight}-{self.bits}bit.json"
 
     def design(self) -> Table:
         """Compute this table (deterministic: fixed range, default grid and refinement)."""
@@ -69,6 +81,7 @@ class TableSpec:
         return design(
             self.activation,
             self.bits,
+            params=dict(self.params) or None,
             mode=self.mode,
             symmetric=self.symmetric,
             low=RANGE[0],
@@ -84,12 +97,14 @@ def table_specs(activations: Iterable[str] | None = None) -> list[TableSpec]:
     names = list(activations) if activations is not None else registry.names()
     specs = []
     for name in names:
-        bound = registry.bind(name)
-        for weight in SHIPPED_WEIGHTS:
-            for mode in MODES:
-                symmetric = mode == "intervals" and bound.even
-                for bits in BITS:
-                    specs.append(TableSpec(bound.name, bits, mode, symmetric, weight))
+        for params in [{}, *VARIANTS.get(registry.get(name).name, [])]:
+            bound = registry.bind(name, params)
+            key = tuple(sorted(params.items()))
+            for weight in SHIPPED_WEIGHTS:
+                for mode in MODES:
+                    symmetric = mode == "intervals" and bound.even
+                    for bits in BITS:
+                        specs.append(TableSpec(bound.name, bits, mode, symmetric, weight, key))
     return specs
 
 
@@ -126,6 +141,49 @@ def _worker_init() -> None:
         pass
 
 
+def _design_all(
+    specs: list[TableSpec], jobs: int | None, progress: Callable[[TableSpec], None] | None
+) -> dict[TableSpec, str]:
+    """JSON text of every spec, designed in ``jobs`` worker processes (default: all cores)."""
+    jobs = max(1, int(jobs or os.cpu_count() or 1))
+    results: dict[TableSpec, str] = {}
+    if jobs == 1:
+        for spec in specs:
+            results[spec] = build_table(spec)[1]
+            if progress:
+                progress(spec)
+        return results
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    # Most expensive first keeps the workers busy until the end.
+    order = sorted(specs, key=lambda s: (-s.bits, s.file))
+    context = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_init) as pool:
+        for spec, text in pool.map(build_table, order, chunksize=1):
+            results[spec] = text
+            if progress:
+                progress(spec)
+    return results
+
+
+def check(
+    root: str | os.PathLike | None = None,
+    *,
+    jobs: int | None = None,
+    activations: Sequence[str] | None = None,
+    progress: Callable[[TableSpec], None] | None = None,
+) -> list[str]:
+    """Rebuild in memory (no file written) and compare with the set in ``root`` by the definition of :mod:`.same`.
+
+    Returns the problems found, each naming the table file, the field and both values ([] when the set is the same).
+    """
+    root = Path(root) if root is not None else TABLES_DIR
+    specs = table_specs(activations)
+    fresh = _design_all(specs, jobs, progress)
+    return _verify(root, specs, {spec: Table.from_dict(json.loads(text)) for spec, text in fresh.items()})
+
+
 def build(
     out: str | os.PathLike | None = None,
     *,
@@ -135,7 +193,8 @@ def build(
 ) -> Path:
     """Regenerate the table set into ``out`` (default: the package's tables folder) and write its index.
 
-    Deterministic: the same files, byte for byte, on every run. ``jobs`` worker processes (default: all cores).
+    Deterministic on one machine: the same files, byte for byte, on every run with the same versions (another machine
+    builds the same tables by the definition of :mod:`.same`). ``jobs`` worker processes (default: all cores).
     """
     out = Path(out) if out is not None else TABLES_DIR
     if out.exists() and not out.is_dir():
@@ -147,25 +206,7 @@ def build(
     if not os.access(out, os.W_OK):
         raise FewBitError(f"output directory {str(out)!r} is not writable")
     specs = table_specs(activations)
-    jobs = max(1, int(jobs or os.cpu_count() or 1))
-    results: dict[TableSpec, str] = {}
-    if jobs == 1:
-        for spec in specs:
-            results[spec] = build_table(spec)[1]
-            if progress:
-                progress(spec)
-    else:
-        import multiprocessing
-        from concurrent.futures import ProcessPoolExecutor
-
-        # Most expensive first keeps the workers busy until the end.
-        order = sorted(specs, key=lambda s: (-s.bits, s.file))
-        context = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_init) as pool:
-            for spec, text in pool.map(build_table, order, chunksize=1):
-                results[spec] = text
-                if progress:
-                    progress(spec)
+    results = _design_all(specs, jobs, progress)
     entries = []
     for spec in specs:
         text = results[spec]
@@ -194,41 +235,6 @@ def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
     return document
 
 
-def _differs(name: str, shipped: Any, fresh: Any) -> str | None:
-    """A description of how a field differs beyond the tolerance, or None."""
-    if isinstance(shipped, list) and isinstance(fresh, list):
-        if len(shipped) != len(fresh):
-            return f"field {name!r} has {len(shipped)} entries, recomputed {len(fresh)}"
-        for i, (a, b) in enumerate(zip(shipped, fresh, strict=True)):
-            message = _differs(f"{name}[{i}]", a, b)
-            if message:
-                return message
-        return None
-    if isinstance(shipped, float | int) and isinstance(fresh, float | int) and not isinstance(shipped, bool):
-        if shipped == fresh:
-            return None
-        scale = max(abs(shipped), abs(fresh))
-        if math.isfinite(scale) and abs(shipped - fresh) <= RELATIVE_TOLERANCE * scale:
-            return None
-        return f"field {name!r} is {shipped!r}, recomputed {fresh!r} (beyond {RELATIVE_TOLERANCE:g} relative)"
-    if shipped != fresh:
-        return f"field {name!r} is {shipped!r}, recomputed {fresh!r}"
-    return None
-
-
-def compare(shipped: Table, fresh: Table) -> str | None:
-    """The first field in which two tables differ beyond the tolerance, described; None when they agree."""
-    a, b = shipped.to_dict(), fresh.to_dict()
-    for name in ("activation", "params", "bits", "mode", "symmetric", "weight", "codes"):
-        if a[name] != b[name]:
-            return f"field {name!r} is {a[name]!r}, recomputed {b[name]!r}"
-    for name in ("boundaries", "levels", "error", "snr_db"):
-        message = _differs(name, a[name], b[name])
-        if message:
-            return message
-    return None
-
-
 def sample_specs(specs: list[TableSpec], n: int, *, seed: int = 0) -> list[TableSpec]:
     """``n`` tables chosen at random but covering every activation once before any repeats."""
     rng = random.Random(seed)
@@ -245,26 +251,14 @@ def sample_specs(specs: list[TableSpec], n: int, *, seed: int = 0) -> list[Table
     return chosen
 
 
-def verify(
-    root: str | os.PathLike | None = None,
-    *,
-    sample: int | None = None,
-    seed: int = 0,
-    activations: Sequence[str] | None = None,
-    progress: Callable[[TableSpec], None] | None = None,
-) -> list[str]:
-    """Check the shipped set; return the problems found (empty when it passes).
+def _params_key(table: Table) -> tuple:
+    return tuple(sorted((key, repr(value)) for key, value in table.params.items()))
 
-    Every listed file is loaded and validated; the set must be complete; for every activation, weight and bit width
-    the level-sets error must be at most the intervals error; then every table (or ``sample`` of them, covering
-    every activation; or only the tables of ``activations``) is recomputed and compared field by field within 1e-9
-    relative.
-    """
-    root = Path(root) if root is not None else TABLES_DIR
+
+def _load_set(root: Path, specs: list[TableSpec], problems: list[str]) -> dict[TableSpec, Table]:
+    """Load and validate every table of ``specs`` listed in the index; record what is missing or inconsistent."""
     document = read_index(root)
-    problems: list[str] = []
     entries = {entry.get("file"): entry for entry in document["tables"]}
-    specs = table_specs()
     tables: dict[TableSpec, Table] = {}
     for spec in specs:
         if spec.file not in entries:
@@ -281,22 +275,57 @@ def verify(
             field = next(k for k in expected if entry.get(k) != expected[k])
             problems.append(f"index entry for {spec.file!r}: field {field!r} does not match the table file")
         tables[spec] = table
-    extra = set(entries) - {spec.file for spec in specs}
-    problems.extend(f"index lists {name!r}, which is not part of the table set" for name in sorted(extra))
-    intervals = {(s.activation, s.weight, s.bits): t for s, t in tables.items() if s.mode == "intervals"}
+    return tables
+
+
+def _verify(root: Path, specs: list[TableSpec], fresh: dict[TableSpec, Table]) -> list[str]:
+    """Compare the set in ``root`` (every spec) with fresh designs of some specs by the definition of :mod:`.same`."""
+    from .same import OBJECTIVE_RTOL, differences
+
+    problems: list[str] = []
+    tables = _load_set(root, specs, problems)
+    intervals = {(s.folder, s.weight, s.bits): t for s, t in tables.items() if s.mode == "intervals"}
     for spec, table in tables.items():
-        twin = intervals.get((spec.activation, spec.weight, spec.bits)) if spec.mode == "levelsets" else None
-        if twin is not None and table.error > twin.error * (1 + RELATIVE_TOLERANCE) + 1e-15:
+        twin = intervals.get((spec.folder, spec.weight, spec.bits)) if spec.mode == "levelsets" else None
+        if twin is not None and table.error > twin.error * (1 + OBJECTIVE_RTOL) + 1e-15:
             problems.append(
                 f"table {spec.file!r}: field 'error' {table.error:.6g} is above the intervals table's {twin.error:.6g}"
             )
-    candidates = [s for s in tables if activations is None or s.activation in activations]
+    for spec, table in fresh.items():
+        if spec in tables:
+            problems.extend(f"table {spec.file!r}: {message}" for message in differences(tables[spec], table))
+    return problems
+
+
+def verify(
+    root: str | os.PathLike | None = None,
+    *,
+    sample: int | None = None,
+    seed: int = 0,
+    activations: Sequence[str] | None = None,
+    progress: Callable[[TableSpec], None] | None = None,
+) -> list[str]:
+    """Check the shipped set; return the problems found (empty when it passes).
+
+    Every listed file is loaded and validated; the set must be complete; for every activation, weight and bit width
+    the level-sets error must be at most the intervals error; then every table (or ``sample`` of them, covering
+    every activation; or only the tables of ``activations``) is recomputed and compared with the shipped one by the
+    cross-machine definition of :mod:`.same` (structure exact, the objective first, pinned boundaries and levels
+    within tolerance).
+    """
+    root = Path(root) if root is not None else TABLES_DIR
+    read_index(root)
+    specs = table_specs()
+    listed = {entry.get("file") for entry in read_index(root)["tables"]}
+    extra = sorted(listed - {spec.file for spec in specs})
+    wanted = None if activations is None else {a for a in activations}
+    candidates = [s for s in specs if wanted is None or s.activation in wanted]
     chosen = candidates if sample is None else sample_specs(candidates, sample, seed=seed)
+    fresh: dict[TableSpec, Table] = {}
     for spec in chosen:
-        fresh = spec.design()
-        message = compare(tables[spec], fresh)
-        if message:
-            problems.append(f"table {spec.file!r}: {message}")
+        fresh[spec] = spec.design()
         if progress:
             progress(spec)
+    problems = _verify(root, specs, fresh)
+    problems.extend(f"index lists {name!r}, which is not part of the table set" for name in extra)
     return problems
