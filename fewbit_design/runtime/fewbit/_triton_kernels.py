@@ -54,12 +54,19 @@ def _fewbit_forward_kernel(
     num_boundaries,
     BITS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
+    IN_BF16: tl.constexpr = False,
 ):
     pid = tl.program_id(0)
     groups, elements = _group_offsets(pid, BLOCK_GROUPS)
     mask = elements < numel
     # compare in the dtype of the boundaries (float64 for float64 x, else float32; upcasts are exact)
-    x = tl.load(x_ptr + elements, mask=mask, other=0.0).to(boundaries_ptr.dtype.element_ty)
+    if IN_BF16:
+        # bfloat16 x arrives as its int16 bit pattern: float32 = pattern << 16, exact for subnormals too (the
+        # interpreter's bfloat16 conversion flushes them to zero)
+        pattern = tl.load(x_ptr + elements, mask=mask, other=0).to(tl.uint16).to(tl.uint32)
+        x = (pattern << 16).to(tl.float32, bitcast=True)
+    else:
+        x = tl.load(x_ptr + elements, mask=mask, other=0.0).to(boundaries_ptr.dtype.element_ty)
     # interval = number of boundaries <= x = len(boundaries) - #(x < boundary); NaN lands in the last interval
     interval = tl.zeros([BLOCK_GROUPS, 8], dtype=tl.int32) + num_boundaries
     for j in range(num_boundaries):
@@ -100,6 +107,8 @@ def _fewbit_backward_kernel(
     grad = tl.load(grad_ptr + elements, mask=mask, other=0.0)
     # grad_input = grad * levels[code], computed in the dtype of the levels (float32, or float64 for float64 grads)
     result = grad.to(levels_ptr.dtype.element_ty) * levels
+    # a zero level selects +0 (as torch's backward does), not grad * 0 (-0 for negative grad, NaN for inf / NaN)
+    result = tl.where(levels == 0, 0.0, result)
     if OUT_BF16:
         tl.store(out_ptr + elements, _float32_to_bfloat16(result), mask=mask)
     else:

@@ -200,9 +200,15 @@ def quantize_reference(
 
 
 def scale_reference(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """grad * levels[code] computed in the dtype of ``levels``, returned in grad's dtype and shape (contiguous)."""
+    """grad * levels[code] computed in the dtype of ``levels``, returned in grad's dtype and shape (contiguous).
+
+    A zero level gives +0 whatever grad is (torch's backward *selects* 0 there: relu, hardtanh, hardshrink, ...),
+    not grad * 0, which is -0 for a negative grad and NaN for a non-finite one.
+    """
     codes = unpack_reference(packed, bits, grad.numel())
-    product = grad.detach().reshape(-1).to(levels.dtype) * levels[codes]
+    selected = levels[codes]
+    product = grad.detach().reshape(-1).to(levels.dtype) * selected
+    product = torch.where(selected == 0, torch.zeros((), dtype=levels.dtype, device=product.device), product)
     return product.to(grad.dtype).reshape(grad.shape)
 
 
@@ -388,8 +394,9 @@ def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: t
     flat = _flat_contiguous(x)
     block = kernels.BLOCK_GROUPS
     grid = (_cdiv(_cdiv(numel, 8), block),)
+    in_bf16 = x.dtype == torch.bfloat16
     kernels._fewbit_forward_kernel[grid](
-        flat,
+        flat.view(torch.int16) if in_bf16 else flat,
         boundaries.contiguous(),
         interval_codes.to(torch.int32).contiguous(),
         out,
@@ -397,6 +404,7 @@ def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: t
         boundaries.numel(),
         BITS=bits,
         BLOCK_GROUPS=block,
+        IN_BF16=in_bf16,
     )
     return out
 
