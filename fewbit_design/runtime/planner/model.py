@@ -1,0 +1,234 @@
+"""The planner's cost model and optimiser: pure Python on measured numbers, it never runs a model.
+
+Terms. The *chain* is the model's ``nn.Sequential`` or ``nn.ModuleList`` of blocks: block i maps the hidden state
+x_i to x_{i+1}. Each block has *options* (plain, few-bit, BLPA, offload, checkpoint, and their combinations), each
+measured alone (:class:`OptionCost`). Bytes are relative to the live bytes when the chain starts (``entry_bytes``
+above the step's start: what the model computed before the chain, x_0 included).
+
+A block under option o: its forward peaks ``forward_peak`` above its start (output included), then leaves
+``kept`` bytes alive besides its output (what it holds for backward; a checkpointed block: nothing); it keeps its
+input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive until block i's
+backward when block i saves it or block i + 1 saves it (``held``), else it is freed after block i + 1's forward.
+Its backward peaks ``backward_peak`` above the bytes alive when it starts (for a checkpointed block this includes
+re-materialising what its inner option keeps, which is why checkpointing combines with per-block savings: the
+inner option's bytes do not count during the forward pass, but they come back during that block's backward).
+Then it leaves its parameters' gradients and its input's gradient, and frees what it kept and its incoming
+gradient. Gradients of parameters are taken as absent at the start of the step (``zero_grad(set_to_none=True)``).
+
+The whole step: what runs before the chain peaks ``pre_forward_peak`` and leaves ``entry_bytes``; after the chain,
+the loss and the modules after it peak ``post_forward_peak`` above the chain's exit and leave ``post_bytes`` more
+when the chain's backward starts (the gradient of x_n among them); after the chain's backward, the modules before
+it peak at ``pre_backward_peak`` (absolute; the same for every plan, since all the chain holds is freed by then).
+
+The optimiser (:func:`optimise`) is exact: a dynamic program over the blocks, left to right, whose state is the
+option of the last block chosen and Q_i, the bytes that blocks before i hold through the whole forward pass; for
+each state it keeps the Pareto front of (Q_i, time). Every peak event of the step is Q_i plus terms that depend
+only on the options of blocks i - 1, i and i + 1 (derived in :func:`_transition`), and Q grows by a term that
+does not depend on Q, so a state with a larger Q and no smaller time can never lead to a better plan: pruning it is
+exact. :func:`replay` simulates the step event by event; tests check the optimiser against brute force over all
+option combinations, scored by :func:`replay`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["OptionCost", "BlockCosts", "ChainCosts", "Replay", "replay", "optimise", "minimum_budget"]
+
+#: states kept per option in the dynamic program; beyond it, Q is bucketed (then exact up to the bucket width)
+MAX_FRONT = 4096
+
+
+@dataclass(frozen=True)
+class OptionCost:
+    """What one block costs under one option (bytes from ``memory.peak``/``memory.saved_bytes``; seconds of a
+    forward + backward of the block alone)."""
+
+    option: str
+    forward_peak: int
+    kept: int
+    backward_peak: int
+    saves_input: bool
+    saves_output: bool
+    seconds: float
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """A block of the chain: its name, hidden-state sizes, parameter-gradient bytes and its options (the first is
+    ``plain``)."""
+
+    name: str
+    input_bytes: int
+    output_bytes: int
+    gradient_bytes: int
+    options: tuple[OptionCost, ...]
+
+    def option(self, name: str) -> OptionCost:
+        for option in self.options:
+            if option.option == name:
+                return option
+        raise KeyError(name)
+
+
+@dataclass(frozen=True)
+class ChainCosts:
+    """The chain and the fixed parts of the step around it (see the module docstring)."""
+
+    blocks: tuple[BlockCosts, ...]
+    entry_bytes: int = 0
+    pre_forward_peak: int = 0
+    post_forward_peak: int = 0
+    post_bytes: int = 0
+    pre_backward_peak: int = 0
+
+
+@dataclass
+class Replay:
+    """The predicted step: ``peak`` (bytes above the step's start), ``seconds`` (sum of the options' block times)
+    and the live bytes at every event (``timeline``: (label, bytes))."""
+
+    peak: int
+    seconds: float
+    timeline: list[tuple[str, int]]
+
+
+def _held(blocks: Sequence[BlockCosts], choice: Sequence[OptionCost], i: int) -> bool:
+    """Whether x_i (0 < i < n) stays alive until the backward pass."""
+    return choice[i - 1].saves_output or choice[i].saves_input
+
+
+def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
+    """Simulate one training step with ``choice[i]`` for block i; event by event (the reference the optimiser is
+    tested against)."""
+    blocks = chain.blocks
+    n = len(blocks)
+    assert len(choice) == n and n > 0
+    timeline: list[tuple[str, int]] = [("before the chain", chain.pre_forward_peak)]
+    base = chain.entry_bytes
+    live = 0
+    for i in range(n):
+        timeline.append((f"forward {blocks[i].name}", base + live + choice[i].forward_peak))
+        live += choice[i].kept + blocks[i].output_bytes
+        if i > 0 and not _held(blocks, choice, i):
+            live -= blocks[i].input_bytes
+    timeline.append(("loss and modules after the chain", base + live + chain.post_forward_peak))
+    live += chain.post_bytes
+    for i in range(n - 1, -1, -1):
+        timeline.append((f"backward {blocks[i].name}", base + live + choice[i].backward_peak))
+        live += blocks[i].gradient_bytes - choice[i].kept - blocks[i].output_bytes
+        if i > 0:
+            live += blocks[i].input_bytes  # the gradient of x_i
+        if i + 1 < n and _held(blocks, choice, i + 1):
+            live -= blocks[i].output_bytes  # x_{i+1}: its last user's backward is done
+    timeline.append(("modules before the chain (backward)", chain.pre_backward_peak))
+    return Replay(max(value for _, value in timeline), sum(o.seconds for o in choice), timeline)
+
+
+def _suffix_gradients(blocks: Sequence[BlockCosts]) -> list[int]:
+    """suffix[i] = parameter-gradient bytes of blocks i + 1 .. n - 1."""
+    suffix = [0] * len(blocks)
+    for i in range(len(blocks) - 2, -1, -1):
+        suffix[i] = suffix[i + 1] + blocks[i + 1].gradient_bytes
+    return suffix
+
+
+def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: OptionCost) -> tuple[int, int]:
+    """From block i under ``a`` to block i + 1 under ``b``: (the largest event that this step decides, minus Q_i;
+    the growth of Q).
+
+    Block i's backward starts with Q_i, what block i keeps, x_{i+1} if held, the gradients of blocks > i, the
+    post-chain bytes and the incoming gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what
+    block i keeps and x_{i+1} alive. (Derived from :func:`replay` by summing its updates; tests check it.)"""
+    blocks = chain.blocks
+    out = blocks[i].output_bytes
+    held = a.saves_output or b.saves_input
+    backward = a.kept + (out if held else 0) + chain.post_bytes + suffix[i] + out + a.backward_peak
+    forward = a.kept + out + b.forward_peak
+    return max(backward, forward), a.kept + (out if held else 0)
+
+
+def _terminal(chain: ChainCosts, a: OptionCost) -> int:
+    """The events after the last block's forward, minus Q_{n-1}: the post-chain peak and the last block's backward."""
+    exit_bytes = a.kept + chain.blocks[-1].output_bytes
+    return max(exit_bytes + chain.post_forward_peak, exit_bytes + chain.post_bytes + a.backward_peak)
+
+
+def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | None = None) -> list[str] | None:
+    """The options (one name per block) of least total time whose predicted peak (:func:`replay`) is at most
+    ``budget`` bytes; None when none fits. ``allowed[i]`` restricts block i's options (default: all of them)."""
+    blocks = chain.blocks
+    n = len(blocks)
+    if max(chain.pre_forward_peak, chain.pre_backward_peak) > budget:
+        return None
+    limit = budget - chain.entry_bytes
+    options = _options(chain, allowed)
+    suffix = _suffix_gradients(blocks)
+    # state: option index of the current block -> list of (Q, seconds, path)
+    fronts: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+    for k, option in enumerate(options[0]):
+        if option.forward_peak <= limit:
+            fronts[k] = [(0, option.seconds, (k,))]
+    for i in range(n - 1):
+        following: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+        for k, front in fronts.items():
+            a = options[i][k]
+            for m, b in enumerate(options[i + 1]):
+                event, growth = _transition(chain, suffix, i, a, b)
+                for q, seconds, path in front:
+                    if q + event <= limit:
+                        following.setdefault(m, []).append((q + growth, seconds + b.seconds, path + (m,)))
+        fronts = {m: _pareto(front, limit) for m, front in following.items()}
+        if not fronts:
+            return None
+    finals = []
+    for k, front in fronts.items():
+        a = options[n - 1][k]
+        end = _terminal(chain, a)
+        finals += [(seconds, q + end, path) for q, seconds, path in front if q + end <= limit]
+    if not finals:
+        return None
+    seconds, _, path = min(finals, key=lambda item: (item[0], item[1]))
+    return [options[i][k].option for i, k in enumerate(path)]
+
+
+def _pareto(front: list[tuple[int, float, tuple[int, ...]]], limit: int) -> list[tuple[int, float, tuple[int, ...]]]:
+    """The states no other state beats in both Q and time (Q ascending, time strictly descending)."""
+    front.sort(key=lambda item: (item[0], item[1]))
+    kept: list[tuple[int, float, tuple[int, ...]]] = []
+    best = float("inf")
+    for item in front:
+        if item[1] < best:
+            kept.append(item)
+            best = item[1]
+    if len(kept) > MAX_FRONT:  # bucket Q (rounded up, so the plan stays within the budget)
+        width = max(1, limit // MAX_FRONT)
+        buckets: dict[int, tuple[int, float, tuple[int, ...]]] = {}
+        for q, seconds, path in kept:
+            key = -(-q // width)
+            if key not in buckets or seconds < buckets[key][1]:
+                buckets[key] = (key * width, seconds, path)
+        kept = sorted(buckets.values())
+    return kept
+
+
+def minimum_budget(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None = None) -> int:
+    """The smallest budget (bytes) for which :func:`optimise` finds a plan (bisection: feasibility is monotone in
+    the budget; the upper end is the peak of the first allowed option of every block, which fits by definition)."""
+    first = [next(iter(options)) for options in _options(chain, allowed)]
+    high = replay(chain, first).peak
+    low = max(chain.pre_forward_peak, chain.pre_backward_peak, chain.entry_bytes) - 1
+    while high - low > 1:
+        middle = (low + high) // 2
+        if optimise(chain, middle, allowed) is None:
+            low = middle
+        else:
+            high = middle
+    return high
+
+
+def _options(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None) -> list[list[OptionCost]]:
+    return [
+        [o for o in block.options if allowed is None or o.option in allowed[i]] for i, block in enumerate(chain.blocks)
+    ]

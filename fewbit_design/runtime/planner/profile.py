@@ -1,0 +1,383 @@
+"""Profile a model once for the planner: the chain, one measured training step, and every option of every block.
+
+1. The chain is the ``nn.Sequential`` or ``nn.ModuleList`` given by name, else the model itself when it is one,
+   else its Sequential/ModuleList (two blocks or more) holding the most parameters.
+2. One plain training step of the whole model under :func:`memory.peak` (with a timeline), with hooks at the
+   chain's entry and exit and on the gradients of x_0 and x_n, gives the fixed parts of the step (what runs before
+   and after the chain) and the inputs each block receives; a few more plain steps give the step time.
+3. Each block runs alone on its recorded inputs, in a copy, under every applicable option: forward under
+   :func:`memory.peak` and :func:`memory.saved_bytes`, backward with a gradient of ones; then a few timed
+   forward + backward runs (median). Blocks that are alike (same module text, parameter shapes and input shapes)
+   are measured once.
+
+Parameters' gradients, buffers (batch-norm statistics) and the random number generator are restored afterwards.
+"""
+
+from __future__ import annotations
+
+import copy
+import itertools
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ...errors import FewBitError
+from .. import memory
+from .model import BlockCosts, ChainCosts, OptionCost
+from .techniques import apply_option, changed_by, option_name, parse_option
+
+__all__ = ["find_chain", "profile_model", "default_loss"]
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """``output.loss`` when the output has one (Hugging Face models given labels), else the mean of the first
+    floating-point tensor of the output."""
+    loss = getattr(output, "loss", None)
+    if isinstance(loss, torch.Tensor):
+        return loss
+    tensor = _first_tensor(output)
+    if tensor is None:
+        raise FewBitError(f"cannot take a loss of the model's output ({type(output).__name__}); pass loss_fn=")
+    return tensor.float().mean()
+
+
+def _first_tensor(value: Any) -> torch.Tensor | None:
+    if isinstance(value, torch.Tensor):
+        return value if value.is_floating_point() else None
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, tuple | list):
+        for item in value:
+            found = _first_tensor(item)
+            if found is not None:
+                return found
+    return None
+
+
+def _nbytes(tensor: torch.Tensor) -> int:
+    return int(tensor.untyped_storage().nbytes())
+
+
+def find_chain(model: torch.nn.Module, chain: str | None = None) -> str:
+    """The qualified name of the chain ("" for the model itself)."""
+    named = dict(model.named_modules())
+    if chain is not None:
+        if chain not in named:
+            raise FewBitError(f"chain {chain!r} is not a submodule of the model")
+        if not isinstance(named[chain], torch.nn.Sequential | torch.nn.ModuleList):
+            kind = type(named[chain]).__name__
+            raise FewBitError(f"chain {chain!r} must be an nn.Sequential or nn.ModuleList, got {kind}")
+        return chain
+    if isinstance(model, torch.nn.Sequential | torch.nn.ModuleList):
+        return ""
+    best, best_size = None, -1
+    for name, module in named.items():
+        if isinstance(module, torch.nn.Sequential | torch.nn.ModuleList) and len(module) >= 2:
+            size = sum(p.numel() for p in module.parameters())
+            if size > best_size:
+                best, best_size = name, size
+    if best is None:
+        raise FewBitError(
+            f"{type(model).__name__} has no nn.Sequential or nn.ModuleList of blocks to plan over; pass chain="
+        )
+    return best
+
+
+def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
+    if args and isinstance(args[0], torch.Tensor):
+        return args[0]
+    raise FewBitError("a block of the chain must take its hidden state as its first argument (a tensor)")
+
+
+def _output_hidden(output: Any) -> torch.Tensor:
+    hidden = output[0] if isinstance(output, tuple | list) else output
+    if not isinstance(hidden, torch.Tensor):
+        kind = type(hidden).__name__
+        raise FewBitError(f"a block of the chain must return a tensor or a tuple starting with one, got {kind}")
+    return hidden
+
+
+class _Recorder:
+    """Hooks of the profiling step: the blocks' inputs and the live bytes at the chain's boundaries."""
+
+    def __init__(self, blocks: list[torch.nn.Module], result: memory.Peak) -> None:
+        self.blocks, self.result = blocks, result
+        self.inputs: list[tuple[tuple, dict] | None] = [None] * len(blocks)
+        self.outputs: list[torch.Tensor | None] = [None] * len(blocks)
+        self.calls: list[int] = []
+        self.marks: dict[str, tuple[int, int]] = {}
+        self.handles = []
+        for index, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(self._pre(index), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._post(index)))
+
+    def mark(self, name: str) -> None:
+        self.marks.setdefault(name, (len(self.result.timeline or ()), self.result.live_bytes))
+
+    def _pre(self, index: int):
+        def hook(module, args, kwargs):
+            self.calls.append(index)
+            hidden = _hidden(args, kwargs)
+            if index == 0:
+                self.mark("entry")
+                if hidden.requires_grad:
+                    hidden.register_hook(lambda grad: self.mark("chain backward end"))
+            self.inputs[index] = (args, kwargs)
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module, args, output):
+            hidden = _output_hidden(output)
+            self.outputs[index] = hidden
+            if index == len(self.blocks) - 1:
+                self.mark("exit")
+                if hidden.requires_grad:
+                    hidden.register_hook(lambda grad: self.mark("chain backward start"))
+
+        return hook
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _detach(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach()
+    if isinstance(value, tuple | list):
+        return type(value)(_detach(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _detach(v) for k, v in value.items()}
+    return value
+
+
+def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
+    def shape(value: Any) -> Any:
+        if isinstance(value, torch.Tensor):
+            return (tuple(value.shape), str(value.dtype), value.requires_grad)
+        if isinstance(value, tuple | list):
+            return tuple(shape(v) for v in value)
+        if isinstance(value, dict):
+            return tuple(sorted((k, shape(v)) for k, v in value.items()))
+        return repr(value)
+
+    parameters = tuple((n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters())
+    return (repr(block), parameters, shape(args), shape(kwargs), block.training)
+
+
+class _Measure:
+    def __init__(self, bits: int, blpa_bits: int, offload_options: dict, repeats: int) -> None:
+        self.bits, self.blpa_bits, self.offload_options, self.repeats = bits, blpa_bits, offload_options, repeats
+
+    def prepare(self, block: torch.nn.Module, option: str) -> torch.nn.Module:
+        holder = torch.nn.ModuleDict({"block": copy.deepcopy(block)})
+        return apply_option(holder, "block", option, bits=self.bits, blpa_bits=self.blpa_bits)
+
+    def region(self, option: str):
+        if "offload" in parse_option(option):
+            from .. import offload
+
+            return offload.saved_tensors(**self.offload_options)
+        import contextlib
+
+        return contextlib.nullcontext()
+
+    def step(self, module: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool) -> None:
+        leaf = args[0].detach().requires_grad_(needs_grad)
+        with self.region(option):
+            output = module(leaf.view_as(leaf), *args[1:], **kwargs)
+        hidden = _output_hidden(output)
+        hidden.backward(torch.ones_like(hidden))
+
+    def cost(
+        self, block: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool
+    ) -> tuple[OptionCost, dict]:
+        module = self.prepare(block, option)
+        for parameter in module.parameters():
+            parameter.grad = None
+        leaf = args[0].detach().requires_grad_(needs_grad)
+        inp = leaf.view_as(leaf)  # a non-leaf, like a hidden state inside the chain
+        offloaded = 0
+        with memory.peak() as p:
+            with memory.saved_bytes(module) as saved, self.region(option) as stats:
+                output = module(inp, *args[1:], **kwargs)
+            hidden = _output_hidden(output)
+            forward_peak, after_forward = p.peak_bytes, p.live_bytes
+            output_bytes = _nbytes(hidden)
+            new_output = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+            grad = torch.ones_like(hidden)
+            grad_bytes = _nbytes(grad)
+            p.reset_peak()
+            hidden.backward(grad)
+            backward_peak = p.peak_bytes - after_forward - grad_bytes
+        if stats is not None:
+            offloaded = stats.bytes
+        techniques = parse_option(option)
+        extra = {
+            "input_bytes": _nbytes(leaf),
+            "output_bytes": output_bytes,
+            "gradient_bytes": sum(_nbytes(q.grad) for q in module.parameters() if q.grad is not None),
+            "saved_bytes": saved.total,
+            "offloaded_bytes": offloaded,
+        }
+        checkpointed = "checkpoint" in techniques
+        saves_input = saved.contains(inp) or checkpointed  # a checkpoint holds its inputs for recomputation
+        saves_output = saved.contains(hidden) and not checkpointed
+        del output, hidden, grad, inp
+        times = []
+        for _ in range(self.repeats):
+            for parameter in module.parameters():
+                parameter.grad = None
+            start = time.perf_counter()
+            self.step(module, option, args, kwargs, needs_grad)
+            times.append(time.perf_counter() - start)
+        cost = OptionCost(
+            option=option,
+            forward_peak=int(forward_peak),
+            kept=int(after_forward - (output_bytes if new_output else 0)),
+            backward_peak=int(max(backward_peak, 0)),
+            saves_input=bool(saves_input),
+            saves_output=bool(saves_output),
+            seconds=min(times),  # the least disturbed run (the machine may be shared)
+        )
+        return cost, extra
+
+
+def candidate_options(block: torch.nn.Module, allow: tuple[str, ...], bits: int, blpa_bits: int) -> list[str]:
+    """The options worth measuring for ``block``: subsets of the allowed techniques that change it (offload and
+    checkpoint always apply; offload is not combined with checkpoint)."""
+    base = [t for t in ("blpa", "fewbit") if t in allow and changed_by(t, block, bits=bits, blpa_bits=blpa_bits)]
+    if "offload" in allow:
+        base.append("offload")
+    options = []
+    for size in range(len(base) + 1):
+        for subset in itertools.combinations(base, size):
+            options.append(option_name(subset))
+            if "checkpoint" in allow and "offload" not in subset:
+                options.append(option_name(subset + ("checkpoint",)))
+    return options
+
+
+def profile_model(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    example_kwargs: dict,
+    *,
+    chain: str | None,
+    allow: tuple[str, ...],
+    bits: int,
+    blpa_bits: int,
+    offload_options: dict,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    repeats: int,
+) -> tuple[str, ChainCosts, dict]:
+    """Profile ``model`` (see the module docstring); return (chain name, costs, facts about the step)."""
+    chain_name = find_chain(model, chain)
+    container = model.get_submodule(chain_name) if chain_name else model
+    blocks = list(container)
+    names = [f"{chain_name}.{key}" if chain_name else key for key in container._modules]
+    loss_fn = loss_fn or default_loss
+    grads = {p: p.grad for p in model.parameters()}
+    buffers = {key: value.detach().clone() for key, value in model.named_buffers()}
+    try:
+        with torch.random.fork_rng():
+            facts, recorded = _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats)
+            measure = _Measure(bits, blpa_bits, offload_options, repeats)
+            costs = []
+            cache: dict[tuple, tuple[list[OptionCost], dict]] = {}
+            for index, (block, name) in enumerate(zip(blocks, names, strict=True)):
+                args, kwargs, needs_grad = recorded[index]
+                signature = (_signature(block, args, kwargs), needs_grad)
+                if signature not in cache:
+                    options = []
+                    plain_extra: dict = {}
+                    for option in candidate_options(block, allow, bits, blpa_bits):
+                        cost, extra = measure.cost(block, option, args, kwargs, needs_grad)
+                        if option == "plain":
+                            plain_extra = extra
+                        if "offload" in parse_option(option) and extra["offloaded_bytes"] == 0:
+                            continue  # nothing large enough to offload
+                        options.append(cost)
+                    cache[signature] = (options, plain_extra)
+                options, extra = cache[signature]
+                costs.append(
+                    BlockCosts(
+                        name=name,
+                        input_bytes=extra["input_bytes"],
+                        output_bytes=extra["output_bytes"],
+                        gradient_bytes=extra["gradient_bytes"],
+                        options=tuple(options),
+                    )
+                )
+                facts.setdefault("saved_bytes", {})[name] = extra["saved_bytes"]
+    finally:
+        for parameter, grad in grads.items():
+            parameter.grad = grad
+        with torch.no_grad():
+            for key, value in model.named_buffers():
+                value.copy_(buffers[key])
+    # the hidden state x_{i+1} is block i's output: one size for both, so the model's sums telescope
+    for i in range(1, len(costs)):
+        b = costs[i]
+        costs[i] = BlockCosts(b.name, costs[i - 1].output_bytes, b.output_bytes, b.gradient_bytes, b.options)
+    chain_costs = ChainCosts(
+        blocks=tuple(costs),
+        entry_bytes=facts.pop("entry_bytes"),
+        pre_forward_peak=facts.pop("pre_forward_peak"),
+        post_forward_peak=facts.pop("post_forward_peak"),
+        post_bytes=facts.pop("post_bytes"),
+        pre_backward_peak=facts.pop("pre_backward_peak"),
+    )
+    return chain_name, chain_costs, facts
+
+
+def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats):
+    for parameter in model.parameters():
+        parameter.grad = None
+    alive = [t for t in (*example_inputs, *example_kwargs.values()) if isinstance(t, torch.Tensor)]
+    with memory.peak(model, *alive, timeline=True) as result:
+        recorder = _Recorder(blocks, result)
+        try:
+            loss = loss_fn(model(*example_inputs, **example_kwargs))
+            loss.backward()
+        finally:
+            recorder.remove()
+        del loss
+    if recorder.calls != list(range(len(blocks))):
+        raise FewBitError(
+            f"the chain's blocks must each run once, in order, in one step; they ran in the order {recorder.calls}"
+        )
+    for i in range(1, len(blocks)):
+        hidden = _hidden(*recorder.inputs[i])
+        if hidden.untyped_storage().data_ptr() != recorder.outputs[i - 1].untyped_storage().data_ptr():
+            raise FewBitError(f"block {i} of the chain does not take block {i - 1}'s output as its first input")
+    timeline = [value for _, value in result.timeline]
+    marks = recorder.marks
+    entry_index, entry = marks["entry"]
+    exit_index, exit_bytes = marks["exit"]
+    start_index, start_bytes = marks.get("chain backward start", (len(timeline), result.live_bytes))
+    end_index, _ = marks.get("chain backward end", (len(timeline), 0))
+    facts = {
+        "baseline_bytes": result.baseline_bytes,
+        "measured_peak_bytes": result.peak_bytes,
+        "entry_bytes": entry,
+        "pre_forward_peak": max(timeline[:entry_index], default=0),
+        "post_forward_peak": max(timeline[exit_index:start_index], default=exit_bytes) - exit_bytes,
+        "post_bytes": start_bytes - exit_bytes,
+        "pre_backward_peak": max(timeline[end_index:], default=0),
+    }
+    recorded = [(_detach(args), _detach(kwargs), bool(args[0].requires_grad)) for args, kwargs in recorder.inputs]
+    times = []
+    for _ in range(repeats):
+        for parameter in model.parameters():
+            parameter.grad = None
+        start = time.perf_counter()
+        loss_fn(model(*example_inputs, **example_kwargs)).backward()
+        times.append(time.perf_counter() - start)
+    facts["step_seconds"] = min(times)
+    for parameter in model.parameters():
+        parameter.grad = None
+    return facts, recorded

@@ -1,0 +1,102 @@
+"""Applying one option (a combination of techniques) to one block of the chain, in place.
+
+An option is a ``+``-joined subset of :data:`TECHNIQUES` in that order (``"blpa+fewbit+checkpoint"``), or
+``"plain"``. BLPA fuses first (it takes ReLUs into its units), then few-bit converts the remaining activations, then
+checkpointing wraps the block's forward (an instance attribute, so state-dict keys and the model's own loop stay),
+and offloading is applied to all offloaded blocks at once (one ``offload.apply``, one file per step).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import torch
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["TECHNIQUES", "parse_option", "option_name", "apply_option", "CheckpointedForward"]
+
+TECHNIQUES = ("blpa", "fewbit", "offload", "checkpoint")
+
+
+def parse_option(option: str) -> tuple[str, ...]:
+    """The techniques of an option name (``"plain"``: none)."""
+    return () if option == "plain" else tuple(option.split("+"))
+
+
+def option_name(techniques: Sequence[str]) -> str:
+    """The canonical name of a set of techniques."""
+    ordered = [t for t in TECHNIQUES if t in techniques]
+    return "+".join(ordered) if ordered else "plain"
+
+
+def _batch_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
+    return [
+        m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
+    ]
+
+
+@contextlib.contextmanager
+def _keep_running_stats(norms: Sequence[torch.nn.Module]) -> Iterator[None]:
+    """During recomputation, leave batch-norm running statistics as the first forward pass left them."""
+    saved = [[b.detach().clone() for b in (n.running_mean, n.running_var, n.num_batches_tracked)] for n in norms]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for norm, values in zip(norms, saved, strict=True):
+                buffers = (norm.running_mean, norm.running_var, norm.num_batches_tracked)
+                for buffer, value in zip(buffers, values, strict=True):
+                    buffer.copy_(value)
+
+
+class CheckpointedForward:
+    """A block's forward under ``torch.utils.checkpoint(..., use_reentrant=False)`` (training with gradients only);
+    a plain object, so ``copy.deepcopy`` of the model works."""
+
+    def __init__(self, forward: Any) -> None:
+        self.forward = forward
+
+    def _context(self) -> tuple[Any, Any]:
+        module = getattr(self.forward, "__self__", None)
+        norms = _batch_norms(module) if isinstance(module, torch.nn.Module) else []
+        return contextlib.nullcontext(), _keep_running_stats(norms)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = getattr(self.forward, "__self__", None)
+        if not torch.is_grad_enabled() or (isinstance(module, torch.nn.Module) and not module.training):
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self._context, **kwargs)
+
+
+def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int, blpa_bits: int) -> torch.nn.Module:
+    """Apply ``option``'s module changes (BLPA, few-bit, checkpoint; not offload) to ``container``'s child ``key``
+    in place; return the block now at that place."""
+    techniques = parse_option(option)
+    block = container._modules[key]
+    if "blpa" in techniques:
+        from .. import blpa
+
+        block = blpa.convert(block, bits=blpa_bits)
+    if "fewbit" in techniques:
+        from ..fewbit.convert import convert
+
+        holder = torch.nn.Sequential(block)  # converts the block itself too when it is an activation
+        block = convert(holder, bits=bits)[0]
+    if "checkpoint" in techniques:
+        if isinstance(block.__dict__.get("forward"), CheckpointedForward):
+            raise AssertionError("block checkpointed twice")
+        block.forward = CheckpointedForward(block.forward)
+    container._modules[key] = block
+    return block
+
+
+def changed_by(technique: str, block: torch.nn.Module, *, bits: int, blpa_bits: int) -> bool:
+    """Whether ``technique`` (``blpa`` or ``fewbit``) changes anything in a copy of ``block``."""
+    import copy
+
+    holder = torch.nn.Sequential(copy.deepcopy(block))
+    before = [type(m) for m in holder.modules()]
+    apply_option(holder, "0", technique, bits=bits, blpa_bits=blpa_bits)
+    return [type(m) for m in holder.modules()] != before
