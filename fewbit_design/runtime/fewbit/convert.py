@@ -1,28 +1,365 @@
-"""Swap the activation modules of an existing model for few-bit ones.
+"""Swap the activation modules of an existing model for few-bit ones, and say what was done.
+
+What is recognised (by exact class; a library is looked at only when it is already imported, never imported here):
+
+* ``torch.nn`` activations of the registry (ReLU, GELU, SiLU, LeakyReLU, ...): replaced by the matching
+  :mod:`fewbit_design.runtime.nn` module with the same hyper-parameters;
+* ``transformers.activations`` (GELUActivation, NewGELUActivation, GELUTanh / PytorchGELUTanh, FastGELUActivation,
+  AccurateGELUActivation, SiLUActivation, MishActivation, QuickGELUActivation, ReLUSquaredActivation) and timm's
+  activation layers (``timm.layers.activations``: GELU, GELUTanh, QuickGELU, Swish, SiLU, Mish, Sigmoid, Tanh,
+  HardSwish, HardSigmoid): wrapped as :class:`~.nn.FewBit` around the original module, so the forward *is* the
+  original module's forward (bitwise, tanh and sigmoid approximations included) and the table serves only the
+  backward. The table is the one of the closed form the module computes (e.g. ``gelu`` with
+  ``approximate='tanh'`` for NewGELUActivation);
+* activations that have no table (PReLU, RReLU, ClippedGELUActivation, LaplaceActivation, XIELUActivation, ...)
+  are left alone with the reason in the report; ``strict=True`` raises instead.
+
+No conversion that costs memory (``only_if_smaller=True``, the default): an activation whose native backward saves
+only its *output* (ReLU, Sigmoid, Tanh; probed once per class) and that sits in a convolutional block (its parent
+holds convolutions or batch norms, at any depth) or before a layer that saves its input in a Sequential feeds a
+layer that saves that same tensor, so replacing it frees nothing and adds the codes: it is left alone. This rule is
+conservative (an output that only a pooling or the loss consumes is left alone too).
+
+With ``example_inputs=`` the decision is measured instead: one forward pass records which module saved each
+storage (:func:`fewbit_design.runtime.memory.storage_key`, the instrument's rules: parameters, buffers and leaves
+that require grad are not counted); an activation is replaced only when the bytes saved by it alone exceed its codes.
 
 >>> import torch
 >>> from fewbit_design import runtime
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
->>> model = runtime.convert(model, bits=3)                         # doctest: +SKIP
->>> model = runtime.convert(model, filter={MyAct: "myact.json"})   # doctest: +SKIP
+>>> model = runtime.convert(model, bits=3)                                       # doctest: +SKIP
+>>> model, report = runtime.convert(model, report=True)                          # doctest: +SKIP
+>>> print(report)                                                                 # doctest: +SKIP
+>>> model = runtime.convert(model, filter={MyAct: "myact.json"})                 # doctest: +SKIP
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+import math
 import sys
 import types
-from collections.abc import Callable, Mapping
+import warnings
+from collections import Counter
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...design import activations
 from ...errors import FewBitError
+from .. import memory
 from .nn import FewBit, FewBitModule, _entry_for, from_torch
-from .tables import TableLike
+from .tables import TableLike, resolve_table
 
-__all__ = ["convert", "Filter"]
+__all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM"]
+
+logger = logging.getLogger("fewbit_design.runtime.convert")
 
 Filter = Mapping[type, TableLike | None] | Callable[[str, torch.nn.Module], Any] | None
+
+_GELU_TANH = ("gelu", {"approximate": "tanh"})
+
+# (library module, class name) -> (registry activation, params) or a reason why it is left alone. A class whose
+# registry entry does not exist yet (quick_gelu, relu_squared are being added on the design side) is left alone with
+# that reason until the entry lands; nothing else changes then.
+ECOSYSTEM: dict[tuple[str, str], tuple[str, dict[str, Any]] | str] = {
+    ("transformers.activations", "GELUActivation"): ("gelu", {"approximate": "none"}),
+    ("transformers.activations", "NewGELUActivation"): _GELU_TANH,
+    ("transformers.activations", "GELUTanh"): _GELU_TANH,
+    ("transformers.activations", "PytorchGELUTanh"): _GELU_TANH,
+    ("transformers.activations", "FastGELUActivation"): _GELU_TANH,  # 0.7978845608 = sqrt(2 / pi) to 1e-10
+    ("transformers.activations", "AccurateGELUActivation"): _GELU_TANH,
+    ("transformers.activations", "SiLUActivation"): ("silu", {}),
+    ("transformers.activations", "MishActivation"): ("mish", {}),
+    ("transformers.activations", "QuickGELUActivation"): ("quick_gelu", {}),
+    ("transformers.activations", "ReLUSquaredActivation"): ("relu_squared", {}),
+    ("transformers.activations", "ClippedGELUActivation"): "no table for GELU clipped to [min, max]: its derivative "
+    "is 0 where the clip binds",
+    ("transformers.activations", "LaplaceActivation"): "no registry entry for the Laplace activation",
+    ("transformers.activations", "SqrtSoftplusActivation"): "no registry entry for sqrt(softplus(x))",
+    ("transformers.activations", "XIELUActivation"): "XIELU has trainable parameters (they would get no gradient)",
+    ("transformers.activations", "LinearActivation"): None,  # the identity: saves nothing, nothing to convert
+    ("timm.layers.activations", "GELU"): ("gelu", {"approximate": "none"}),
+    ("timm.layers.activations", "GELUTanh"): _GELU_TANH,
+    ("timm.layers.activations", "QuickGELU"): ("quick_gelu", {}),
+    ("timm.layers.activations", "Swish"): ("silu", {}),
+    ("timm.layers.activations", "SiLU"): ("silu", {}),
+    ("timm.layers.activations", "Mish"): ("mish", {}),
+    ("timm.layers.activations", "Sigmoid"): ("sigmoid", {}),
+    ("timm.layers.activations", "Tanh"): ("tanh", {}),
+    ("timm.layers.activations", "HardSwish"): ("hardswish", {}),
+    ("timm.layers.activations", "HardSigmoid"): ("hardsigmoid", {}),
+    ("timm.layers.activations", "HardMish"): "no registry entry for hard mish",
+    ("timm.layers.activations", "PReLU"): "PReLU has a trainable slope (it would get no gradient)",
+    ("timm.layers.activations", "GELUTanhFast"): _GELU_TANH,
+}
+
+_TORCH_UNSUPPORTED = {
+    "PReLU": "PReLU has a trainable slope (it would get no gradient)",
+    "RReLU": "RReLU has a random slope in training: no fixed derivative to tabulate",
+}
+
+_OUTPUT_ONLY_REASON = (
+    "its native backward saves only its output, and it sits where the next layer (convolution, linear, norm, "
+    "pooling) saves that output too: replacing it would add the codes and free nothing "
+    "(pass example_inputs= to measure, or only_if_smaller=False to replace it anyway)"
+)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Report
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """One module that was replaced (``names``: every name it has in the model; a shared module is one entry)."""
+
+    names: tuple[str, ...]
+    original: str
+    replacement: str
+    activation: str
+    bits: int
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One activation module left alone, and why."""
+
+    names: tuple[str, ...]
+    original: str
+    reason: str
+    unsupported: bool = False
+
+
+@dataclass
+class ConversionReport:
+    """What :func:`convert` did: ``replaced`` and ``skipped`` modules, and the measured bytes when it measured."""
+
+    replaced: list[Replaced] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    already_fewbit: int = 0
+    measured: dict[str, int] | None = None  # {"native": bytes, "converted": bytes} with example_inputs
+
+    def by_class(self) -> dict[str, int]:
+        """Number of replaced modules per original class."""
+        return dict(Counter(item.original for item in self.replaced))
+
+    def __str__(self) -> str:
+        lines = [f"replaced {len(self.replaced)} module(s), left {len(self.skipped)} activation module(s) alone"]
+        for original, count in self.by_class().items():
+            example = next(item for item in self.replaced if item.original == original)
+            lines.append(f"  {count} x {original} -> {example.replacement} ({example.activation}, {example.bits} bits)")
+        reasons = Counter((item.original, item.reason) for item in self.skipped)
+        for (original, reason), count in reasons.items():
+            lines.append(f"  left alone: {count} x {original}: {reason}")
+        if self.already_fewbit:
+            lines.append(f"  {self.already_fewbit} module(s) were few-bit already")
+        if self.measured:
+            lines.append(
+                f"  saved for backward on the example: {self.measured['native']} -> {self.measured['converted']} bytes"
+            )
+        return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Recognition
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _ecosystem_entry(module: torch.nn.Module):
+    """ECOSYSTEM's entry for the module's exact class, ``KeyError`` when it is not an ecosystem class."""
+    cls = type(module)
+    for (library, name), entry in ECOSYSTEM.items():
+        imported = sys.modules.get(library)
+        if imported is not None and getattr(imported, name, None) is cls:
+            return entry
+    raise KeyError(cls)
+
+
+def _has_registry_entry(name: str) -> bool:
+    try:
+        activations.get(name)
+    except FewBitError:
+        return False
+    return True
+
+
+@dataclass
+class _Candidate:
+    """A recognised activation module: how to build its replacement."""
+
+    activation: str  # registry name
+    params: dict[str, Any]
+    torch_class: bool  # a torch.nn class (few-bit nn module) or a library class (FewBit wrapper)
+
+
+def _recognise(module: torch.nn.Module) -> _Candidate | str | None:
+    """A candidate, a reason why this activation is left alone, or None when it is not an activation module."""
+    entry = _entry_for(type(module))
+    if entry is not None:
+        params = {name: getattr(module, name) for name in entry.defaults if hasattr(module, name)}
+        return _Candidate(entry.name, params, torch_class=True)
+    if getattr(torch.nn, type(module).__name__, None) is type(module) and type(module).__name__ in _TORCH_UNSUPPORTED:
+        return _TORCH_UNSUPPORTED[type(module).__name__]
+    try:
+        found = _ecosystem_entry(module)
+    except KeyError:
+        return None
+    if found is None or isinstance(found, str):
+        return found
+    name, params = found
+    if not _has_registry_entry(name):
+        return f"no registry entry {name!r} for it yet (so no table)"
+    return _Candidate(name, dict(params), torch_class=False)
+
+
+def _describe(name: str, params: Mapping[str, Any]) -> str:
+    if not params:
+        return name
+    return f"{name}(" + ", ".join(f"{key}={value!r}" for key, value in params.items()) + ")"
+
+
+# which activations save only their output, probed once per (class, hyper-parameters)
+_OUTPUT_ONLY: dict[tuple[type, str], bool] = {}
+
+
+def _saves_only_output(module: torch.nn.Module) -> bool:
+    key = (type(module), repr(module))
+    if key not in _OUTPUT_ONLY:
+        saved: list[torch.Tensor] = []
+        try:
+            x = torch.linspace(-3.0, 3.0, 16).requires_grad_().clone()
+            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                y = module(x)
+            output = memory.storage_key(y)
+            _OUTPUT_ONLY[key] = bool(saved) and all(memory.storage_key(t) == output for t in saved)
+        except Exception:  # a module that cannot run on a small float32 vector: no claim, convert it
+            _OUTPUT_ONLY[key] = False
+    return _OUTPUT_ONLY[key]
+
+
+# layers whose backward saves their input: an output-saving activation right before one frees nothing when replaced
+_SAVE_INPUT = (
+    torch.nn.Linear,
+    torch.nn.modules.conv._ConvNd,
+    torch.nn.modules.batchnorm._NormBase,
+    torch.nn.LayerNorm,
+    torch.nn.GroupNorm,
+    torch.nn.modules.pooling._MaxPoolNd,
+)
+_CONVOLUTIONAL = (torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase)
+
+
+def _output_saved_by_neighbour(slot: _Slot) -> bool:
+    """The common cases where an activation's output is saved by the next layer: the activation sits in a
+    convolutional block (its parent holds convolutions or batch norms at any depth: ResNet blocks, torchvision and
+    Hugging Face alike, where the next convolution, norm or pooling takes the output), or the next module of its
+    Sequential saves its input."""
+    for parent, attribute, _ in slot.places:
+        children = list(parent.named_children())
+        if any(isinstance(module, _CONVOLUTIONAL) for module in parent.modules()):
+            return True
+        if isinstance(parent, torch.nn.Sequential):
+            names = [name for name, _ in children]
+            position = names.index(attribute)
+            if position + 1 < len(children) and isinstance(children[position + 1][1], _SAVE_INPUT):
+                return True
+    return False
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Measurement on an example input
+
+
+def _run_example(model: torch.nn.Module, example_inputs: Any) -> Any:
+    if isinstance(example_inputs, Mapping):
+        return model(**example_inputs)
+    if isinstance(example_inputs, tuple | list):
+        return model(*example_inputs)
+    return model(example_inputs)
+
+
+def _exclusive_bytes(
+    model: torch.nn.Module, example_inputs: Any, candidates: Mapping[int, torch.nn.Module]
+) -> tuple[dict[int, int], dict[int, int]]:
+    """Per candidate module (by id): bytes of the storages saved by it and by nothing else, and the elements it
+    took (summed over calls). One forward pass with grad enabled."""
+    owners: dict[tuple[str, int], set[int]] = {}
+    sizes: dict[tuple[str, int], int] = {}
+    excluded = {memory.storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
+    stack: list[int] = []
+    elements: Counter[int] = Counter()
+    handles = []
+    for module in model.modules():
+
+        def pre_hook(module, inputs):
+            stack.append(id(module))
+            if id(module) in candidates and inputs and isinstance(inputs[0], torch.Tensor):
+                elements[id(module)] += inputs[0].numel()
+
+        def post_hook(module, inputs, outputs):
+            if stack and stack[-1] == id(module):
+                stack.pop()
+
+        handles.append(module.register_forward_pre_hook(pre_hook))
+        handles.append(module.register_forward_hook(post_hook, always_call=True))
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
+            return tensor
+        try:
+            key = memory.storage_key(tensor)
+        except (RuntimeError, NotImplementedError):
+            return tensor
+        if key in excluded:
+            return tensor
+        owner = next((frame for frame in reversed(stack) if frame in candidates), stack[-1] if stack else 0)
+        owners.setdefault(key, set()).add(owner)
+        sizes[key] = int(tensor.untyped_storage().nbytes())
+        return tensor
+
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            _run_example(model, example_inputs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    exclusive: Counter[int] = Counter()
+    for key, who in owners.items():
+        if len(who) == 1:
+            (only,) = who
+            if only in candidates:
+                exclusive[only] += sizes[key]
+    return dict(exclusive), dict(elements)
+
+
+@contextlib.contextmanager
+def _no_side_effects(model: torch.nn.Module) -> Iterator[None]:
+    """Measuring runs the model: restore its buffers (BatchNorm running statistics) and the CPU random state."""
+    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
+    with torch.random.fork_rng(devices=[]):
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for buffer, saved in buffers:
+                    buffer.copy_(saved)
+
+
+def _measure_total(model: torch.nn.Module, example_inputs: Any) -> int:
+    with torch.enable_grad(), memory.saved_bytes(model) as measured:
+        _run_example(model, example_inputs)
+    return measured.total
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# convert
 
 
 def _decision(filter: Filter, name: str, module: torch.nn.Module) -> Any:
@@ -47,6 +384,40 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
+@dataclass
+class _Slot:
+    """One module object of the model with every (parent, attribute, qualified name) it sits at."""
+
+    module: torch.nn.Module
+    places: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(name for _, _, name in self.places)
+
+
+def _slots(model: torch.nn.Module) -> list[_Slot]:
+    """Every submodule object once (in first-seen order) with all the places it occupies; not below few-bit ones."""
+    found: dict[int, _Slot] = {}
+    visited: set[int] = set()
+
+    def walk(parent: torch.nn.Module, prefix: str) -> None:
+        if id(parent) in visited:
+            return
+        visited.add(id(parent))
+        for child_name, child in parent.named_children():
+            if child is None:
+                continue
+            name = f"{prefix}.{child_name}" if prefix else child_name
+            slot = found.setdefault(id(child), _Slot(child))
+            slot.places.append((parent, child_name, name))
+            if not isinstance(child, FewBitModule):
+                walk(child, name)
+
+    walk(model, "")
+    return list(found.values())
+
+
 def convert(
     model: torch.nn.Module,
     *,
@@ -54,68 +425,172 @@ def convert(
     weight: str = "uniform",
     mode: str = "levelsets",
     filter: Filter = None,
-) -> torch.nn.Module:
-    """Replace the activation modules of ``model`` (in place) by few-bit modules and return the model.
+    tables: Mapping[str, TableLike] | None = None,
+    only_if_smaller: bool = True,
+    example_inputs: Any = None,
+    strict: bool = False,
+    report: bool = False,
+) -> torch.nn.Module | tuple[torch.nn.Module, ConversionReport]:
+    """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, or
+    ``(model, ConversionReport)`` with ``report=True``.
 
-    Every module whose exact class is a torch.nn activation of the registry (ReLU, GELU, SiLU, LeakyReLU, ...)
-    becomes the matching :mod:`fewbit_design.runtime.nn` module with the same hyper-parameters and the shipped table
-    for (``bits``, ``weight``, ``mode``). ``filter`` chooses per module:
+    Recognised modules (see the module docstring) get the shipped table for (``bits``, ``weight``, ``mode``) of
+    the function they compute. Options:
 
-    * a dict ``{module class: table}``: modules that are instances of a key use that table (a Table, a dict or a
-      path); a torch.nn activation class becomes its few-bit module with the table, any other class (your own
-      activation) is wrapped as ``FewBit(module, table)``; a ``None`` value leaves those modules alone. Modules that
-      match no key get the default treatment.
-    * a callable ``filter(name, module)`` returning a table (use it), ``True`` (default treatment) or
-      ``None`` / ``False`` (leave the module alone).
+    * ``filter``: a dict ``{module class: table}`` (instances of a key use that table, a Table, a dict or a path;
+      a class the runtime does not know is wrapped as ``FewBit(module, table)``; a ``None`` value leaves those
+      modules alone), or a callable ``filter(name, module)`` returning a table, ``True`` (default treatment) or
+      ``None`` / ``False`` (leave it alone). A table chosen by ``filter`` is always used.
+    * ``tables``: ``{qualified module name: table}``, e.g. the per-layer tables of
+      :func:`fewbit_design.runtime.calibrate`; they win over the shipped ones (and are always used).
+    * ``only_if_smaller`` (default True): leave alone the activations whose replacement would not reduce the bytes
+      saved for backward: by a rule (native backward saves only the output) or, with ``example_inputs`` (a tensor,
+      a tuple of positional arguments or a dict of keyword arguments for ``model``), by measuring one forward pass.
+    * ``strict``: raise :class:`FewBitError` when an activation module without few-bit support is present.
 
-    Few-bit modules already in the model are left as they are, so converting twice changes nothing the second
-    time. Raises :class:`FewBitError` naming the module when its table cannot be found.
+    A module shared by several places (one instance used twice, or one module under two names) gets one shared
+    replacement. Few-bit modules already in the model are left as they are, so converting twice changes nothing the
+    second time. The summary is logged (logger ``fewbit_design.runtime.convert``, INFO); a model in which nothing
+    was replaced gives a warning. Raises :class:`FewBitError` naming the module when its table cannot be found.
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    result = ConversionReport()
     if isinstance(model, FewBitModule):
-        return model
-    _convert_children(model, "", bits=bits, weight=weight, mode=mode, filter=filter)
-    return model
-
-
-def _convert_children(parent: torch.nn.Module, prefix: str, **options: Any) -> None:
-    for child_name, child in list(parent.named_children()):
-        name = f"{prefix}.{child_name}" if prefix else child_name
-        if isinstance(child, FewBitModule):
+        result.already_fewbit = 1
+        return (model, result) if report else model
+    tables = dict(tables or {})
+    plans: list[tuple[_Slot, Any, _Candidate | None]] = []  # (slot, decision, candidate)
+    for slot in _slots(model):
+        module = slot.module
+        if isinstance(module, FewBitModule):
+            result.already_fewbit += 1
             continue
-        replacement = _replacement(name, child, **options)
-        if replacement is None:
-            _convert_children(child, name, **options)
+        recognised = _recognise(module)
+        decision = _decision(filter, slot.names[0], module)
+        explicit = next((tables[name] for name in slot.names if name in tables), None)
+        if explicit is not None and decision is not None and decision is not False:
+            decision = explicit
+        if decision is None or decision is False:
+            if recognised is not None:
+                result.skipped.append(Skipped(slot.names, _class_path(type(module)), "left alone by filter"))
             continue
-        replacement.train(child.training)
-        device = _device_of(child) or _device_of(parent)
+        if decision is True:
+            if recognised is None:
+                continue
+            if isinstance(recognised, str):
+                result.skipped.append(Skipped(slot.names, _class_path(type(module)), recognised, unsupported=True))
+                continue
+        plans.append((slot, decision, recognised if isinstance(recognised, _Candidate) else None))
+
+    unsupported = [item for item in result.skipped if item.unsupported]
+    if strict and unsupported:
+        item = unsupported[0]
+        raise FewBitError(
+            f"convert(strict=True): module {item.names[0]!r} ({item.original}) has no few-bit version: {item.reason}"
+        )
+
+    if only_if_smaller:
+        plans = _drop_costly(model, plans, example_inputs, bits, result)
+
+    for slot, decision, candidate in plans:
+        module = slot.module
+        options = {"bits": bits, "weight": weight, "mode": mode}
+        replacement, activation = _build(slot.names[0], module, decision, candidate, **options)
+        replacement.train(module.training)
+        parent = slot.places[0][0]
+        device = _device_of(module) or _device_of(parent)
         if device is not None:
             replacement.to(device)
-        setattr(parent, child_name, replacement)
+        for place_parent, attribute, _ in slot.places:
+            setattr(place_parent, attribute, replacement)
+        result.replaced.append(
+            Replaced(slot.names, _class_path(type(module)), type(replacement).__name__, activation, replacement.bits)
+        )
+
+    if example_inputs is not None and result.measured is not None:
+        with _no_side_effects(model):
+            result.measured["converted"] = _measure_total(model, example_inputs)
+    logger.info("convert %s: %s", type(model).__name__, result)
+    if not result.replaced and not result.already_fewbit:
+        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in result.skipped})) or (
+            "it has no activation module the runtime recognises"
+        )
+        warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+    return (model, result) if report else model
 
 
-def _replacement(name: str, module: torch.nn.Module, *, bits: int, weight: str, mode: str, filter: Filter):
-    decision = _decision(filter, name, module)
-    if decision is None or decision is False:
-        return None
-    is_activation = _entry_for(type(module)) is not None
+def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):
+    """The plans whose replacement reduces the bytes saved for backward (the others go to the report)."""
+    kept = []
+    if example_inputs is None:
+        for plan in plans:
+            slot, decision, candidate = plan
+            if decision is True and _saves_only_output(slot.module) and _output_saved_by_neighbour(slot):
+                result.skipped.append(Skipped(slot.names, _class_path(type(slot.module)), _OUTPUT_ONLY_REASON))
+            else:
+                kept.append(plan)
+        return kept
+    candidates = {id(slot.module): slot.module for slot, _, _ in plans}
+    with _no_side_effects(model):
+        exclusive, elements = _exclusive_bytes(model, example_inputs, candidates)
+        result.measured = {"native": _measure_total(model, example_inputs)}
+    for plan in plans:
+        slot, decision, candidate = plan
+        key = id(slot.module)
+        table_bits = getattr(decision, "bits", bits) if decision is not True else bits
+        codes = math.ceil(elements.get(key, 0) / 8) * int(table_bits)
+        own = exclusive.get(key, 0)
+        if elements.get(key, 0) and own <= codes:
+            result.skipped.append(
+                Skipped(
+                    slot.names,
+                    _class_path(type(slot.module)),
+                    f"measured on the example: it alone saves {own} bytes, its {table_bits}-bit codes would take "
+                    f"{codes}: replacing it would not reduce memory",
+                )
+            )
+        else:
+            kept.append(plan)
+    return kept
+
+
+def _build(name: str, module, decision, candidate: _Candidate | None, *, bits: int, weight: str, mode: str):
+    """(replacement module, description of the activation whose table it uses)."""
     try:
-        if decision is True:
-            if not is_activation:
-                return None
-            return from_torch(module, bits=bits, weight=weight, mode=mode)
-        if is_activation:
-            return from_torch(module, table=decision)
-        return FewBit(module, decision)
+        if candidate is None:  # a class the runtime does not know, with a table chosen by filter
+            replacement = FewBit(module, decision)
+            return replacement, replacement.table.activation
+        if candidate.torch_class:
+            replacement = (
+                from_torch(module, bits=bits, weight=weight, mode=mode)
+                if decision is True
+                else from_torch(module, table=decision)
+            )
+            params = {key: getattr(replacement, key) for key in activations.get(candidate.activation).defaults}
+            return replacement, _describe(candidate.activation, _non_default(candidate.activation, params))
+        table = resolve_table(
+            None if decision is True else decision,
+            activation=candidate.activation,
+            params=candidate.params,
+            bits=bits,
+            weight=weight,
+            mode=mode,
+        )
+        return FewBit(module, table), _describe(candidate.activation, _non_default(candidate.activation, table.params))
     except FewBitError as exc:
         raise FewBitError(f"cannot convert module {name!r} ({module!r}): {exc}") from None
+
+
+def _non_default(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
+    defaults = activations.get(name).defaults
+    return {key: value for key, value in params.items() if defaults.get(key) != value}
 
 
 class _CallableModule(types.ModuleType):
     # ``fewbit_design.runtime.convert`` is both this module and the function: importing the submodule makes the
     # package attribute the module, so the module forwards calls to :func:`convert`.
-    def __call__(self, model: torch.nn.Module, **kwargs: Any) -> torch.nn.Module:
+    def __call__(self, model: torch.nn.Module, **kwargs: Any):
         return convert(model, **kwargs)
 
 
