@@ -34,6 +34,15 @@ def test_no_arguments_prints_usage_and_commands_not_one_error_line(capsys):
     assert "--help" in err
 
 
+def test_a_subgroup_without_arguments_prints_its_own_short_help(capsys):
+    code, out, err = run(capsys, "tables")
+    assert code == 2 and out == ""
+    lines = err.splitlines()
+    assert lines[0].startswith("Usage: fewbit-design tables ")
+    commands = {line.split()[0] for line in lines if line.startswith("  ") and line.split()}
+    assert {"build", "verify"} <= commands and "ACTIVATION" not in commands
+
+
 def test_help_of_the_default_command_does_not_name_the_hidden_design_subcommand(capsys):
     code, out, err = run(capsys, "gelu", "--help")
     assert code == 0 and err == ""

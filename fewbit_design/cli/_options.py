@@ -6,6 +6,8 @@ on :data:`cli` from here, and :mod:`fewbit_design.cli` imports those modules. Im
 
 from __future__ import annotations
 
+import inspect
+
 import click
 
 from .._version import __version__
@@ -123,16 +125,20 @@ def _command_rows(group: click.Group, ctx: click.Context, width: int) -> list[tu
 
 
 def short_help(ctx: click.Context) -> str:
-    """What ``fewbit-design`` with no arguments prints: the usage line and one line per command."""
-    group = ctx.find_root().command
-    assert isinstance(group, click.Group)
+    """What a group given no arguments prints (``fewbit-design``, ``fewbit-design tables``): its usage line, the
+    first paragraph of its help, and one line per command."""
+    group = ctx.command
     formatter = ctx.make_formatter()
     group.format_usage(ctx, formatter)
+    summary = inspect.cleandoc(group.help or "").split("\n\n")[0]
+    if summary:
+        formatter.write_paragraph()
+        formatter.write_text(summary)
+    if isinstance(group, click.Group):
+        group.format_commands(ctx, formatter)
     formatter.write_paragraph()
-    formatter.write_text("Design optimal few-bit approximations of activation derivatives.")
-    group.format_commands(ctx, formatter)
-    formatter.write_paragraph()
-    formatter.write_text(f"Try '{PROG} --help' for examples, or '{PROG} gelu --help' for the design options.")
+    hint = f" or '{PROG} gelu --help' for the design options" if ctx.parent is None else ""
+    formatter.write_text(f"Try '{ctx.command_path} --help' for more{hint}.")
     return formatter.getvalue().rstrip("\n")
 
 
