@@ -49,6 +49,7 @@ def _register(name: str, module: str, attribute: str | None = None) -> None:
 _register("FewBit", "nn", "FewBit")
 _register("load_table", "tables", "load_table")
 _register("convert", "convert", "convert")
+_register("calibrate", "fewbit.calibrate", "calibrate")
 _register("plan_memory", "planner", "plan_memory")
 _register("load_plan", "planner", "load_plan")
 
