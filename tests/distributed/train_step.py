@@ -90,7 +90,7 @@ def build(case: str, x: torch.Tensor) -> tuple[nn.Module, str]:
     if case == "plan":
         model = mlp()
         # a budget that forces more than one technique (checked by the test through the recorded techniques)
-        plan = runtime.plan_memory(model, x, budget=0.35, bits=3)
+        plan = runtime.plan_memory(model, x, budget="min", bits=3, repeats=1)
         return plan.apply(model), "plan_memory: " + ", ".join(sorted(plan.techniques_used()))
     raise ValueError(case)
 

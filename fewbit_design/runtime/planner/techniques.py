@@ -9,6 +9,7 @@ and offloading is applied to all offloaded blocks at once (one ``offload.apply``
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -83,7 +84,9 @@ def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int
         from ..fewbit.convert import convert
 
         holder = torch.nn.Sequential(block)  # converts the block itself too when it is an activation
-        block = convert(holder, bits=bits)[0]
+        with warnings.catch_warnings():  # "nothing replaced": the planner then does not offer few-bit there
+            warnings.simplefilter("ignore", UserWarning)
+            block = convert(holder, bits=bits)[0]
     if "checkpoint" in techniques:
         if isinstance(block.__dict__.get("forward"), CheckpointedForward):
             raise AssertionError("block checkpointed twice")

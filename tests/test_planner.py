@@ -1,0 +1,235 @@
+"""The memory planner: the optimiser against brute force, predictions against memory.peak(), apply, JSON, errors."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from fewbit_design import runtime
+from fewbit_design.errors import FewBitError
+from fewbit_design.runtime.planner import MemoryPlan, load_plan
+from fewbit_design.runtime.planner.model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
+
+
+# --- the optimiser, on random instances -----------------------------------------------------------------------
+def _random_chain(rng: random.Random, n: int) -> ChainCosts:
+    sizes = [rng.choice([64, 128, 256, 512]) for _ in range(n + 1)]
+    blocks = []
+    for i in range(n):
+        options = []
+        for k in range(rng.randint(1, 4)):
+            options.append(
+                OptionCost(
+                    option="plain" if k == 0 else f"o{k}",
+                    forward_peak=rng.randint(0, 2000),
+                    kept=rng.randint(0, 3000),
+                    backward_peak=rng.randint(0, 4000),
+                    saves_input=rng.random() < 0.5,
+                    saves_output=rng.random() < 0.5,
+                    seconds=rng.choice([0.5, 1.0, 1.5, 2.0, 3.25]) * (1 + rng.random()),
+                )
+            )
+        blocks.append(BlockCosts(f"b{i}", sizes[i], sizes[i + 1], rng.randint(0, 500), tuple(options)))
+    return ChainCosts(
+        tuple(blocks),
+        entry_bytes=rng.randint(0, 1000),
+        pre_forward_peak=rng.randint(0, 1500),
+        post_forward_peak=rng.randint(0, 800),
+        post_bytes=rng.randint(-100, 800),
+        pre_backward_peak=rng.randint(0, 3000),
+    )
+
+
+def _brute_force(chain: ChainCosts, budget: int):
+    best = None
+    for choice in itertools.product(*(block.options for block in chain.blocks)):
+        result = replay(chain, choice)
+        if result.peak <= budget and (best is None or result.seconds < best[0] - 1e-12):
+            best = (result.seconds, [o.option for o in choice])
+    return best
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_optimiser_matches_brute_force(seed):
+    rng = random.Random(seed)
+    chain = _random_chain(rng, rng.randint(1, 5))
+    peaks = sorted(replay(chain, c).peak for c in itertools.product(*(b.options for b in chain.blocks)))
+    for budget in {peaks[0] - 1, peaks[0], rng.choice(peaks), peaks[len(peaks) // 2], peaks[-1]}:
+        expected = _brute_force(chain, budget)
+        got = optimise(chain, budget)
+        if expected is None:
+            assert got is None, (budget, got)
+            continue
+        assert got is not None, budget
+        choice = [block.option(name) for block, name in zip(chain.blocks, got, strict=True)]
+        result = replay(chain, choice)
+        assert result.peak <= budget
+        assert math.isclose(result.seconds, expected[0], rel_tol=1e-12), (got, expected)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_minimum_budget_is_the_smallest_peak(seed):
+    rng = random.Random(1000 + seed)
+    chain = _random_chain(rng, rng.randint(1, 4))
+    smallest = min(replay(chain, c).peak for c in itertools.product(*(b.options for b in chain.blocks)))
+    assert minimum_budget(chain) == smallest
+    assert optimise(chain, smallest) is not None and optimise(chain, smallest - 1) is None
+
+
+def test_checkpoint_trades_forward_bytes_for_backward_bytes():
+    """A hand-computed chain: two blocks with 100-byte hidden states; plain keeps 1000 bytes and saves neither its
+    input nor its output; checkpoint keeps nothing (its input: held) but re-materialises 1000 bytes in backward."""
+    plain = OptionCost("plain", 1100, 1000, 200, saves_input=False, saves_output=False, seconds=1.0)
+    ckpt = OptionCost("checkpoint", 1100, 0, 1200, saves_input=True, saves_output=False, seconds=2.0)
+    block = BlockCosts("b", 100, 100, 0, (plain, ckpt))
+    chain = ChainCosts((block, block))
+    # plain, plain: after both forwards 1000 + 1000 + x2 (x1 is freed: nobody saves it); block 1's backward +200
+    assert replay(chain, [plain, plain]).peak == 2300
+    # checkpoint, plain: block 1's forward peaks at x1 + 1100; block 0's backward: x1's gradient + 1200
+    assert replay(chain, [ckpt, plain]).peak == 1300
+    # plain, checkpoint: block 1 holds x1; its backward re-materialises 1200 on top of block 0's 1000 + x1 + x2
+    assert replay(chain, [plain, ckpt]).peak == 2400
+    assert replay(chain, [ckpt, ckpt]).peak == 1400
+    assert optimise(chain, 2300) == ["plain", "plain"]
+    assert optimise(chain, 2299) == ["checkpoint", "plain"]
+    assert optimise(chain, 1300) == ["checkpoint", "plain"]
+    assert optimise(chain, 1299) is None
+    assert minimum_budget(chain) == 1300
+
+
+# --- on real models ---------------------------------------------------------------------------------------------
+def _mlp(seed: int = 0, width: int = 64) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(
+        *[nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width)) for _ in range(4)]
+    )
+
+
+def _cnn(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    blocks = [nn.Conv2d(3, 16, 3, padding=1)]
+    blocks += [nn.Sequential(nn.BatchNorm2d(16), nn.ReLU(), nn.Conv2d(16, 16, 3, padding=1)) for _ in range(3)]
+    blocks.append(nn.Sequential(nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(16, 10)))
+    return nn.Sequential(*blocks)
+
+
+@pytest.fixture(scope="module")
+def mlp_plan():
+    x = torch.randn(256, 64)
+    plan = runtime.plan_memory(_mlp(), x, budget=0.7, offload_min_bytes=1 << 14, repeats=1)
+    return plan, x
+
+
+def test_plan_fits_and_predicts_the_measured_peak(mlp_plan):
+    plan, x = mlp_plan
+    assert plan.predicted_peak_bytes <= plan.budget_bytes
+    assert plan.techniques_used() - {"plain"}, "a budget of 70% needs some technique"
+    plan = MemoryPlan.from_dict(plan.to_dict())
+    model = plan.apply(_mlp())
+    measured = plan.measure(model, x, steps=1)
+    assert measured["peak_bytes"] <= 1.1 * plan.budget_bytes
+    assert abs(measured["peak_bytes"] - plan.predicted_peak_bytes) <= 0.1 * measured["peak_bytes"]
+    report = plan.report()
+    assert "measured peak" in report and "reversible" in report
+
+
+def test_unconverted_prediction_matches_measurement(mlp_plan):
+    plan, x = mlp_plan
+    assert abs(plan.facts["measured_peak_bytes"] + plan.baseline_bytes - plan.unconverted_peak_bytes) <= (
+        0.05 * plan.unconverted_peak_bytes
+    )
+
+
+def test_json_round_trip_is_identical(mlp_plan, tmp_path):
+    plan, x = mlp_plan
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = load_plan(path)
+    assert loaded == plan
+    assert loaded.report() == plan.report()
+
+
+def test_exact_gradients_when_approximations_are_not_allowed():
+    x = torch.randn(128, 64)
+    plan = runtime.plan_memory(
+        _mlp(), x, budget=0.85, allow=("checkpoint", "offload"), offload_min_bytes=1 << 14, repeats=1
+    )
+    assert plan.approximate_blocks() == []
+    assert plan.techniques_used() <= {"checkpoint", "offload"} and plan.techniques_used()
+    reference, planned = _mlp(), plan.apply(_mlp())
+    reference(x).mean().backward()
+    planned(x).mean().backward()
+    for (name, a), b in zip(reference.named_parameters(), planned.parameters(), strict=True):
+        torch.testing.assert_close(b.grad, a.grad, rtol=1e-6, atol=1e-7, msg=name)
+
+
+def test_blpa_and_fewbit_are_offered_where_they_fit():
+    x = torch.randn(8, 3, 16, 16)
+    plan = runtime.plan_memory(_cnn(), x, budget="min", allow=("blpa", "fewbit"), repeats=1)
+    options = {block.name: {o.option for o in block.options} for block in plan.costs.blocks}
+    assert options["0"] == {"plain"}  # a lone convolution: nothing applies
+    # few-bit leaves a ReLU whose output the next convolution saves anyway (it would free nothing)
+    assert options["1"] == {"plain", "blpa"}
+    assert options["4"] == {"plain"}
+    assert set(plan.approximate_blocks()) <= {"1", "2", "3"} and plan.approximate_blocks()
+    model = plan.apply(_cnn())
+    assert any(type(m).__name__ == "BNReLUConv2d" for m in model.modules())
+    model(x).mean().backward()
+
+
+def test_fewbit_is_offered_for_gelu(mlp_plan):
+    plan, _ = mlp_plan
+    assert {"fewbit", "fewbit+checkpoint", "fewbit+offload"} <= {o.option for o in plan.costs.blocks[0].options}
+
+
+def test_memory_objective_reaches_the_minimum(mlp_plan):
+    plan, x = mlp_plan
+    smallest = runtime.plan_memory(_mlp(), x, objective="memory", offload_min_bytes=1 << 14, repeats=1)
+    assert smallest.predicted_peak_bytes == smallest.facts["minimum_budget_bytes"]
+    assert smallest.predicted_peak_bytes < plan.predicted_peak_bytes
+
+
+def test_model_is_left_as_it_was():
+    model = _cnn()
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    runtime.plan_memory(model, torch.randn(4, 3, 8, 8), budget="min", repeats=1)
+    assert all(torch.equal(state[k], v) for k, v in model.state_dict().items())
+    assert all(p.grad is None for p in model.parameters())
+    assert [type(m) for m in model.modules()] == [type(m) for m in _cnn().modules()]
+
+
+def test_errors():
+    x = torch.randn(16, 64)
+    with pytest.raises(FewBitError, match="smallest feasible peak"):
+        runtime.plan_memory(_mlp(), x, budget=1000, repeats=1)
+    with pytest.raises(FewBitError, match="allowed technique"):
+        runtime.plan_memory(_mlp(), x, allow=("fewbit", "quantum"))
+    with pytest.raises(FewBitError, match="objective"):
+        runtime.plan_memory(_mlp(), x, objective="speed")
+    with pytest.raises(FewBitError, match="fraction"):
+        runtime.plan_memory(_mlp(), x, budget=1.5, repeats=1)
+    with pytest.raises(FewBitError, match="no nn.Sequential"):
+        runtime.plan_memory(nn.Linear(64, 64), x)
+
+
+def test_apply_checks_the_architecture(mlp_plan):
+    plan, _ = mlp_plan
+    with pytest.raises(FewBitError, match="chain of blocks"):
+        plan.apply(nn.Sequential(nn.Linear(64, 64)))
+
+
+def test_load_plan_errors(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(FewBitError, match="not JSON"):
+        load_plan(bad)
+    bad.write_text('{"format": "other"}')
+    with pytest.raises(FewBitError, match="format"):
+        load_plan(bad)
+    with pytest.raises(FewBitError, match="cannot read"):
+        load_plan(tmp_path / "missing.json")
