@@ -71,6 +71,7 @@ def test_curves_prints_the_table_and_writes_png_and_csv(capsys, tmp_path):
         (["curves", "gelu", "--out", "{tmp}"], "is a directory"),
         (["tables", "verify", "--dir", "{tmp}"], "no table index"),
         (["tables", "build", "--out", "{tmp}/file.txt"], "is a file"),
+        (["tables", "build", "--check", "--out", "{tmp}"], "no table index"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, args, fragment):
@@ -96,4 +97,24 @@ def test_existing_output_needs_force(capsys, tmp_path):
 def test_tables_verify_command_on_shipped_set(capsys):
     code, stdout, err = run(capsys, "tables", "verify", "--activation", "relu")
     assert code == 0, err
-    assert "ok: every table validates; 32 recomputed" in stdout
+    assert "ok: every table validates; 32 recomputed, each the same table as the one in the set" in stdout
+
+
+def test_tables_build_check_writes_nothing_and_reports_a_changed_table(capsys, tmp_path):
+    import json
+    import shutil
+
+    root = tmp_path / "tables"
+    shutil.copytree(TABLES_DIR, root)
+    code, stdout, err = run(capsys, "tables", "build", "--check", "--activation", "relu", "--out", str(root))
+    assert code == 0, err
+    assert "ok: 32 tables rebuilt in memory are the same as the set" in stdout
+    path = root / "relu" / "intervals-uniform-2bit.json"
+    data = json.loads(path.read_text())
+    data["error"] = 0.5
+    path.write_text(json.dumps(data))
+    before = sorted((p, p.stat().st_mtime_ns) for p in root.rglob("*.json"))
+    code, stdout, err = run(capsys, "tables", "build", "--check", "--activation", "relu", "--out", str(root))
+    assert code == 2
+    assert "relu/intervals-uniform-2bit.json" in err and "field 'error' is 0.5, recomputed" in err
+    assert sorted((p, p.stat().st_mtime_ns) for p in root.rglob("*.json")) == before

@@ -3,7 +3,7 @@
 The set is every registry activation at torch's default parameters, plus the ``VARIANTS`` (gelu with
 approximate='tanh'), x bits 1..8 x two modes (``levelsets``; ``intervals``, with ``symmetric`` where f' is even) x two
 weights: ``uniform`` (w = 1 on [-10, 10]) and ``normal`` (the standard normal density on [-10, 10]). Files live in
-``fewbit_design/tables/<activation>/`` (a variant in ``<activation>-<value>/``, e.g. ``gelu-tanh/``) and
+``fewbit_design/tables/<activation>/`` (a variant in ``<activation>_<value>/``, e.g. ``gelu_tanh/``) and
 ``fewbit_design/tables/index.json`` lists every table with its key (activation, params, bits, mode, symmetric,
 weight) and error, so the runtime finds a table without scanning (format ``fewbit-index/1``).
 
@@ -65,8 +65,11 @@ class TableSpec:
 
     @property
     def folder(self) -> str:
-        """``<activation>`` or, for a variant, ``<activation>-<value>...`` (e.g. ``gelu-tanh``)."""
-        return "-".join([self.activation, *(str(value) for _, value in self.params)])
+        """``<activation>`` or, for a variant, ``<activation>_<value>...`` (e.g. ``gelu_tanh``).
+
+        An identifier, like every folder of the set: setuptools lists them as (data-only) packages.
+        """
+        return "_".join([self.activation, *(str(value) for _, value in self.params)])
 
     @property
     def file(self) -> str:
@@ -208,12 +211,18 @@ def build(
     specs = table_specs(activations)
     results = _design_all(specs, jobs, progress)
     entries = []
+    if activations is not None and (out / "index.json").exists():
+        # a partial build replaces only its own tables in an existing index
+        built = {spec.file for spec in specs}
+        entries = [entry for entry in read_index(out)["tables"] if entry.get("file") not in built]
     for spec in specs:
         text = results[spec]
         path = out / spec.file
         path.parent.mkdir(parents=True, exist_ok=True)
         write_text_atomic(path, text, force=True)
         entries.append(_index_entry(spec, Table.from_dict(json.loads(text), source=str(path))))
+    order = {spec.file: number for number, spec in enumerate(table_specs())}  # the order of a full build
+    entries.sort(key=lambda entry: order.get(entry.get("file"), len(order)))
     write_text_atomic(out / "index.json", _index_text(entries), force=True)
     return out
 

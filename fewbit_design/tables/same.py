@@ -137,11 +137,11 @@ def differences(shipped: Table, fresh: Table | None, context: Context | None = N
             problems.append(f"field 'codes[{i}]' is {a['codes'][i]}, recomputed {b['codes'][i]}")
         if problems:
             return problems
-    own = context.error(shipped)
+    own = float(context.error(shipped))
     floor = ERROR_ATOL * context.signal
     if not abs(shipped.error - own) <= ERROR_RTOL * own + floor:
         problems.append(
-            f"field 'error' is {shipped.error!r}, recomputed from its own boundaries and levels {own!r} "
+            f"field 'error' is {float(shipped.error)!r}, recomputed from its own boundaries and levels {own!r} "
             f"(beyond {ERROR_RTOL:g} relative)"
         )
     if fresh is None:
@@ -149,14 +149,13 @@ def differences(shipped: Table, fresh: Table | None, context: Context | None = N
     if fresh.error < own - OBJECTIVE_RTOL * own - floor:
         gap = (own - fresh.error) / own
         problems.append(
-            f"field 'error' is {own!r}, a fresh design reaches {fresh.error!r} ({gap:.3g} relative lower, beyond "
-            f"{OBJECTIVE_RTOL:g}): the shipped table is not optimal"
+            f"field 'error' is {own!r}, a fresh design reaches {float(fresh.error)!r} ({gap:.3g} relative lower, "
+            f"beyond {OBJECTIVE_RTOL:g}): the shipped table is not optimal"
         )
-        return problems
     budget = OBJECTIVE_RTOL * own + floor  # an error change this small is invisible to the objective
     exact_shipped, exact_fresh = _exact(shipped, "boundaries"), _exact(fresh, "boundaries")
     tolerance = BOUNDARY_RTOL * context.span
-    for i, (s, f) in enumerate(zip(shipped.boundaries, fresh.boundaries, strict=True)):
+    for i, (s, f) in enumerate(zip(shipped.boundaries.tolist(), fresh.boundaries.tolist(), strict=True)):
         if i in exact_shipped or i in exact_fresh:
             if s != f:  # a kink or its float neighbour: a lookup, identical on every machine
                 problems.append(f"field 'boundaries[{i}]' is {s!r}, recomputed {f!r} (a kink: must be identical)")
@@ -170,7 +169,7 @@ def differences(shipped: Table, fresh: Table | None, context: Context | None = N
             )
     tolerance = LEVEL_RTOL * context.df_spread
     masses = None
-    for c, (s, f) in enumerate(zip(shipped.levels, fresh.levels, strict=True)):
+    for c, (s, f) in enumerate(zip(shipped.levels.tolist(), fresh.levels.tolist(), strict=True)):
         if abs(s - f) <= tolerance:
             continue
         masses = context.masses(shipped) if masses is None else masses
