@@ -70,23 +70,23 @@ class _Options:
         if target == "cuda-host" and not torch.cuda.is_available():
             raise FewBitError("offload target 'cuda-host' needs CUDA, but torch.cuda.is_available() is False")
 
-    def make_target(self, device_type: str) -> Any:
-        if device_type == "cpu" and self.target in ("auto", "disk"):
+    def make_target(self, device: torch.device) -> Any:
+        if device.type == "cpu" and self.target in ("auto", "disk"):
             from .disk import DiskTarget
 
             return DiskTarget(self.directory, capacity=self.max_host_bytes)
-        if device_type == "cuda" and self.target in ("auto", "cuda-host"):
+        if device.type == "cuda" and self.target in ("auto", "cuda-host"):
             from .cuda import CudaHostTarget, pinned_pool
 
-            return CudaHostTarget(pinned_pool(self.max_host_bytes))
+            return CudaHostTarget(pinned_pool(self.max_host_bytes), device)
         return None
 
     def session(self, exclude: frozenset[int] = frozenset()) -> Session:
-        probe: tuple[str, ...] = ()
+        probe: tuple[torch.device, ...] = ()
         if self.target == "disk" or (self.target == "auto" and not torch.cuda.is_available()):
-            probe = ("cpu",)
+            probe = (torch.device("cpu"),)
         elif self.target == "cuda-host":
-            probe = ("cuda",)
+            probe = (torch.device("cuda", torch.cuda.current_device()),)
         return Session(self.make_target, min_bytes=self.min_bytes, depth=self.prefetch, probe=probe, exclude=exclude)
 
 

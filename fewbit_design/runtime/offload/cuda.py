@@ -2,8 +2,9 @@
 
 * Forward: the copy stream waits for the compute stream, copies the tensor's storage span into a pinned buffer
   from a shared :class:`~.schedule.BufferPool` (pinning is slow: buffers are reused across steps, never pinned per
-  tensor), and records an event. The session holds the device tensor until that event is done, so the device
-  memory is released only after its copy, and the caching allocator cannot hand it out while the copy reads it.
+  tensor), and records an event. The device memory is marked as used by the copy stream (``record_stream``), so
+  the caching allocator hands it out again only after the copy; the session drops its reference when the event
+  is done or ``depth`` newer tensors were packed (the host never waits for a copy in forward).
 * ``max_host_bytes`` caps the pool; a tensor that does not fit stays on the device.
 * Backward: reads are issued on a second side stream (prefetch, in reverse order, by the session); the compute
   stream waits on the read's event only when it needs the tensor (no host synchronisation), and the tensor is
@@ -27,7 +28,7 @@ from .schedule import BufferPool, Lease
 __all__ = ["CudaHostTarget", "pinned_pool", "empty_cache"]
 
 _POOLS: dict[int | None, BufferPool] = {}
-_POOLS_LOCK = threading.Lock()
+_POOLS_LOCK = threading.RLock()  # guards every pool (pools are shared by the targets of all sessions)
 
 
 def _allocate_pinned(nbytes: int) -> torch.Tensor:
@@ -87,10 +88,11 @@ class CudaHostTarget:
     device_type = "cuda"
     bounded_writes = False  # the host never blocks on a device-to-host copy; the copies queue on their stream
 
-    def __init__(self, pool: BufferPool, device: torch.device | int | None = None) -> None:
-        self.device = torch.device("cuda", torch.cuda.current_device() if device is None else device)
+    def __init__(self, pool: BufferPool, device: torch.device) -> None:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
         self.pool = pool
-        self._lock = threading.Lock()
+        self._lock = _POOLS_LOCK
         self._lent: dict[int, _Location] = {}
         self._d2h = torch.cuda.Stream(self.device)
         self._h2d = torch.cuda.Stream(self.device)
@@ -104,6 +106,7 @@ class CudaHostTarget:
         self._d2h.wait_stream(torch.cuda.current_stream(raw.device))
         with torch.cuda.stream(self._d2h):
             lease.buffer[:nbytes].copy_(raw, non_blocking=True)
+            raw.record_stream(self._d2h)  # the allocator reuses the block only after this copy
             event = torch.cuda.Event()
             event.record(self._d2h)
         location = _Location(lease, event)

@@ -95,17 +95,17 @@ def _is_parameter_like(tensor: torch.Tensor) -> bool:
 
 
 class Session:
-    """Pack/unpack hooks of one step. ``make_target(device_type)`` gives the target of a device ('cpu', 'cuda')
-    or ``None`` to leave that device's tensors in place; targets are made on first use, or at once for the
-    ``probe`` device types (so a bad folder fails at entry)."""
+    """Pack/unpack hooks of one step. ``make_target(device)`` gives the target of a ``torch.device`` or ``None``
+    to leave that device's tensors in place; targets are made on first use, or at once for the ``probe`` devices
+    (so that a bad folder fails at entry)."""
 
     def __init__(
         self,
-        make_target: Callable[[str], Any],
+        make_target: Callable[[torch.device], Any],
         *,
         min_bytes: int,
         depth: int,
-        probe: tuple[str, ...] = (),
+        probe: tuple[torch.device, ...] = (),
         exclude: frozenset[int] = frozenset(),
     ) -> None:
         self._make_target = make_target
@@ -121,8 +121,8 @@ class Session:
         self._count = 0
         self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._inflight: deque[_Record] = deque()
-        for device_type in probe:
-            self._target_for(device_type)
+        for device in probe:
+            self._target_for(device)
 
     # -- life cycle ---------------------------------------------------------------------------------------------
     def close(self, reason: str) -> None:
@@ -140,10 +140,11 @@ class Session:
         if self._closed is not None:
             raise FewBitError(self._closed)
 
-    def _target_for(self, device_type: str) -> Any:
-        if device_type not in self._targets:
-            self._targets[device_type] = self._make_target(device_type)
-        return self._targets[device_type]
+    def _target_for(self, device: torch.device) -> Any:
+        key = str(device)
+        if key not in self._targets:
+            self._targets[key] = self._make_target(device)
+        return self._targets[key]
 
     # -- forward --------------------------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
@@ -179,7 +180,7 @@ class Session:
             if same is not None and record is not None and record.poisoned is None:
                 record.uses += 1
                 return record
-        target = self._target_for(tensor.device.type)
+        target = self._target_for(tensor.device)
         if target is None:
             return tensor
         if target.bounded_writes:
@@ -211,8 +212,12 @@ class Session:
 
     def _reap(self) -> None:
         """Finish the writes that are done, oldest first: check versions, drop the storage references."""
-        while self._inflight and self._inflight[0].write.done:
-            record = self._inflight.popleft()
+        while self._inflight:
+            record = self._inflight[0]
+            behind = self._count - record.position > max(self.depth, 1)  # (unbounded targets: the allocator waits)
+            if not (record.write.done or (behind and not record.target.bounded_writes)):
+                break
+            self._inflight.popleft()
             job, alias = record.write, record.alias
             record.write = record.alias = None
             if job.error is not None:
