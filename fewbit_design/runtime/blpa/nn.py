@@ -5,6 +5,7 @@ See :mod:`fewbit_design.runtime.blpa` for the method.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -206,6 +207,21 @@ def _forward_reference(x, mean, invstd, gamma, beta, spec: _Spec) -> tuple[torch
     return a3, quant.pack_codes(codes, spec.bits)
 
 
+def _all_finite(a3: torch.Tensor, *per_channel: torch.Tensor) -> bool:
+    """Whether A1 (hence A2) is finite: per-channel statistics and parameters finite and A3 = relu(A2) finite.
+
+    A non-finite x makes its channel's mean non-finite; an overflow inside (x - mean) * invstd gives NaN or +inf
+    in A2, which relu keeps, so the sum of A3 sees it (a sum that overflows on finite values errs on the safe side).
+    """
+    values = [torch.isfinite(tensor.detach()).all() for tensor in per_channel if tensor is not None]
+    values.append(torch.isfinite(torch.sum(a3.detach(), dtype=torch.float64)))
+    return bool(torch.stack(values).all())
+
+
+def _exact(spec: _Spec) -> _Spec:
+    return dataclasses.replace(spec, bits=None, naive=False)
+
+
 class _BNReLUFunction(torch.autograd.Function):
     """One fused unit: exact forward, K-bit (or exact) A2 saved, backward per eqs. (5)-(8)."""
 
@@ -214,6 +230,13 @@ class _BNReLUFunction(torch.autograd.Function):
         if quant.use_kernels(x):
             a3, stored = quant.forward_kernel(x, mean, invstd, gamma, beta, spec.bits, spec.naive)
         else:
+            a3, stored = _forward_reference(x, mean, invstd, gamma, beta, spec)
+        if spec.bits is not None and not _all_finite(a3, mean, invstd, gamma, beta):
+            # non-finite rule (issue 16.1, as for few-bit activations): codes cannot carry NaN or +-inf, so a call
+            # whose A1 has a non-finite element keeps A1 exactly (the bits=None storage) and its backward is the exact
+            # unit's: NaN and inf reach the gradients as they do without BLPA (GradScaler still sees them). Finite
+            # calls pay one sum over A3 and per-channel checks, and store exactly what they stored before.
+            spec = _exact(spec)
             a3, stored = _forward_reference(x, mean, invstd, gamma, beta, spec)
         out = _op_forward(a3.to(x.dtype), weight, bias, spec)
         del a3

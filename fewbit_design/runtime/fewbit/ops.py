@@ -550,22 +550,29 @@ def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 def _nonfinite_gradient(
     native: Callable[[torch.Tensor], torch.Tensor], values: torch.Tensor, grad: torch.Tensor
 ) -> torch.Tensor:
-    """torch's own gradient of ``native`` at the (few) non-finite ``values``, for the incoming ``grad`` there."""
+    """The gradient at the (few) non-finite ``values`` for the incoming ``grad`` there: NaN at NaN, and torch's own
+    gradient of ``native`` at +-inf.
+
+    torch's gradient at NaN is not a function of the input: its vectorised and scalar loops disagree (relu6, hardtanh,
+    hardshrink, softshrink give 0 or grad, elu, celu, selu, hardswish NaN or grad, depending on the element's position
+    in the tensor), so NaN always gives NaN: never less visible than torch. At +-inf both loops agree.
+    """
+    nan = torch.full_like(values, float("nan"))
     try:
         with torch.enable_grad():
             inputs = values.detach().requires_grad_()
             outputs = native(inputs)
             (result,) = torch.autograd.grad(outputs, inputs, grad.to(outputs.dtype))
-        return result
     except RuntimeError:  # a function torch cannot differentiate: mark the positions as NaN
-        return torch.full_like(values, float("nan"))
+        return nan
+    return torch.where(torch.isnan(values), nan, result.to(values.dtype))
 
 
 class _FewBitFunction(torch.autograd.Function):
     # Non-finite inputs (issue 16.1): codes have no spare value, so NaN and +-inf elements are kept in a sparse
     # record beside the packed codes (nonfinite_record: positions + values, None when all finite, i.e. zero extra
-    # bytes in the common case); backward replaces the gradient there by torch's own gradient at those values (NaN
-    # for silu / gelu at NaN or inf, 0 for tanh / sigmoid at +-inf, ...). Under torch.compile (no data-dependent
+    # bytes in the common case); backward puts NaN at NaN and torch's own gradient at +-inf (NaN for silu / gelu, 0
+    # for tanh / sigmoid, ...), see _nonfinite_gradient. Under torch.compile (no data-dependent
     # shapes) a 0-dim flag "x had a non-finite element" is saved instead and makes the whole gradient NaN, which
     # keeps overflow detection (GradScaler) working.
     @staticmethod
