@@ -517,6 +517,15 @@ def test_apply_exception_in_forward(tmp_path):
     handle.remove()
 
 
+def test_apply_evaluation_opens_no_file(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)
+    with torch.no_grad():
+        model(torch.randn(4, 16))
+        assert open_offload_files() == []
+    handle.remove()
+
+
 def test_apply_bad_modules():
     model = nn.Sequential(nn.Linear(4, 4), nn.ReLU())
     with pytest.raises(FewBitError, match="no submodule 'O'"):

@@ -144,7 +144,7 @@ class _ModuleOffloader:
         self.options = options
         self._model = weakref.ref(model)
         self._session: weakref.ref[Session] | None = None
-        self._regions: list[_Region] = []
+        self._regions: list[_Region | None] = []
         self.stats: Stats | None = None
 
     def __deepcopy__(self, memo: dict) -> _ModuleOffloader:
@@ -153,6 +153,9 @@ class _ModuleOffloader:
         return copy
 
     def enter(self) -> None:
+        if not torch.is_grad_enabled():  # nothing will be saved (evaluation): no file, no probe
+            self._regions.append(None)
+            return
         session = self._session() if self._session is not None else None
         if session is None or session.sealed or session._closed is not None:
             model = self._model()
@@ -166,7 +169,9 @@ class _ModuleOffloader:
         self._regions.append(region)
 
     def exit(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        self._regions.pop().__exit__(exc_type, exc, traceback)
+        region = self._regions.pop()
+        if region is not None:
+            region.__exit__(exc_type, exc, traceback)
 
 
 class _OffloadedForward:
