@@ -132,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     args.csv.parent.mkdir(parents=True, exist_ok=True)
 
+    run_start, cpu_start = time.perf_counter(), time.process_time()
     data = load_digits_split(seed=0)
     print(
         f"digits: {len(data[1])} train / {len(data[3])} test images, preact_resnet depth {args.depth} width "
@@ -176,7 +177,8 @@ def main(argv: list[str] | None = None) -> int:
         delta = f"{accuracy - exact:+.2f}" if exact is not None else "-"
         ratio = f"{mean_of(mode, 'seconds') / mean_of('exact', 'seconds'):.2f}x" if exact is not None else "-"
         print(f"| {mode} | {accuracy:.2f}% | {delta} | {mean_of(mode, 'final_train_loss'):.4f} | {ratio} |")
-    print(f"\nwrote {args.csv}")
+    wall, cpu = time.perf_counter() - run_start, time.process_time() - cpu_start
+    print(f"\nwrote {args.csv}; the whole run took {wall:.0f} s wall, {cpu:.0f} s CPU")
     return 0
 
 
