@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import click
 
 from ..errors import FewBitError
-from . import design, snr, tables  # noqa: F401  (each registers its commands on the group)
+from . import design, memory, snr, tables  # noqa: F401  (each registers its commands on the group)
 from ._options import PROG, cli, short_help
 
 __all__ = ["cli", "main"]

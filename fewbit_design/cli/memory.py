@@ -1,0 +1,209 @@
+"""``fewbit-design memory MODULE:FACTORY``: plan which memory technique runs where under a budget.
+
+``FACTORY()`` builds the model (``MODULE`` is imported with the current directory first on ``sys.path``, like
+``--activation-module``); ``--input-shape`` gives the example batch (random normal floats, or token ids below
+``--vocab``). The command profiles the model, plans (:func:`fewbit_design.runtime.plan_memory`), prints the report,
+and on request measures one step of the converted model (``--measure``), draws the figure (``--plot``) and writes
+the plan (``--save``; ``runtime.load_plan(path).apply(model)`` applies it in a training script).
+
+The figure is drawn here (:func:`plot_plan`), not in the runtime, which never imports matplotlib.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from typing import Any
+
+import click
+
+from ..errors import FewBitError
+from ..table import check_writable, write_bytes_atomic, write_text_atomic
+from ._options import cli
+
+__all__ = ["memory", "plot_plan", "load_factory", "parse_shape"]
+
+TECHNIQUES = ("fewbit", "blpa", "checkpoint", "offload")
+
+
+def parse_shape(text: str) -> tuple[int, ...]:
+    """``"8,3,224,224"`` -> ``(8, 3, 224, 224)``; every size a positive integer."""
+    parts = [p.strip() for p in str(text).replace("x", ",").split(",")]
+    try:
+        shape = tuple(int(p) for p in parts)
+    except ValueError:
+        shape = ()
+    if not shape or any(size < 1 for size in shape):
+        raise FewBitError(
+            f"--input-shape must be positive integers separated by commas, like 8,3,224,224; got {text!r}"
+        )
+    return shape
+
+
+def load_factory(spec: str) -> Any:
+    """Import ``MODULE:FUNCTION`` (current directory first on ``sys.path``) and return the function."""
+    module_name, _, function_name = str(spec).partition(":")
+    if not module_name or not function_name:
+        raise FewBitError(f"the model factory must be given as MODULE:FUNCTION, like mypkg.models:small; got {spec!r}")
+    cwd = os.getcwd()
+    if cwd not in sys.path:
+        sys.path.insert(0, cwd)
+    try:
+        module = importlib.import_module(module_name)
+    except ImportError as error:
+        raise FewBitError(f"cannot import model factory module {module_name!r}: {error}") from None
+    function = getattr(module, function_name, None)
+    if not callable(function):
+        raise FewBitError(f"module {module_name!r} has no callable {function_name!r} (the model factory)")
+    return function
+
+
+def _build(factory: Any, spec: str) -> Any:
+    import torch
+
+    try:
+        model = factory()
+    except Exception as error:  # the user's code: one line naming what failed
+        raise FewBitError(f"model factory {spec!r} raised {type(error).__name__}: {error}") from None
+    if not isinstance(model, torch.nn.Module):
+        raise FewBitError(f"model factory {spec!r} must return a torch.nn.Module, got {type(model).__name__}")
+    return model.train()
+
+
+def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
+    chosen: list[str] = []
+    for value in values:
+        for part in value.split(","):
+            name = part.strip().lower().replace("-", "")
+            if name not in TECHNIQUES:
+                raise FewBitError(f"--allow takes {', '.join(TECHNIQUES)} (comma-separated), got {part.strip()!r}")
+            if name not in chosen:
+                chosen.append(name)
+    return tuple(chosen) if chosen else TECHNIQUES
+
+
+def _budget(text: str | None) -> Any:
+    if text is None:
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        return text
+    if "." in text and 0 < value <= 1:
+        return value  # a fraction of the unconverted peak
+    return text
+
+
+def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> None:
+    """Draw ``plan``'s figure: a stacked bar of memory at the end of the forward pass by technique (unconverted
+    against the plan), and the live bytes over one step (predicted; measured too after ``plan.measure``)."""
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    data = plan.figure_data()
+    mib = 2.0**20
+    figure, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
+    categories: list[str] = []
+    for parts in data["bars"].values():
+        categories += [c for c in parts if c not in categories]
+    colours = plt.get_cmap("tab10")
+    names = list(data["bars"])
+    bottoms = [0.0] * len(names)
+    for k, category in enumerate(categories):
+        heights = [data["bars"][name].get(category, 0) / mib for name in names]
+        bars.bar(names, heights, bottom=bottoms, label=category, color=colours(k % 10))
+        bottoms = [b + h for b, h in zip(bottoms, heights, strict=True)]
+    bars.set_ylabel("MiB alive at the end of the forward pass")
+    bars.legend(fontsize=7)
+    bars.set_title("memory by technique")
+    for label, series in data["timeline"].items():
+        values = [value / mib for _, value in series]
+        xs = [i / max(len(values) - 1, 1) for i in range(len(values))]
+        timeline.plot(xs, values, drawstyle="steps-post", label=label)
+    timeline.axhline(data["budget_bytes"] / mib, color="black", linestyle="--", linewidth=1, label="budget")
+    timeline.set_xlabel("progress through one training step (forward, then backward)")
+    timeline.set_ylabel("live MiB")
+    timeline.set_title("peak-memory timeline")
+    timeline.legend(fontsize=8)
+    figure.tight_layout()
+    buffer = io.BytesIO()
+    suffix = os.path.splitext(os.fspath(path))[1].lstrip(".") or "png"
+    figure.savefig(buffer, format=suffix, dpi=120)
+    plt.close(figure)
+    write_bytes_atomic(path, buffer.getvalue(), force=force)
+
+
+@cli.command("memory")
+@click.argument("factory", metavar="MODULE:FACTORY")
+@click.option(
+    "--input-shape",
+    "shapes",
+    multiple=True,
+    required=True,
+    help="Example batch shape, like 8,3,224,224 (repeat for more inputs).",
+)
+@click.option("--vocab", type=int, default=None, help="Integer token ids in [0, VOCAB) instead of random floats.")
+@click.option(
+    "--budget",
+    default=None,
+    help="Whole-step memory budget: 2GiB, 512MiB, bytes, a fraction like 0.5 of "
+    "the unconverted peak, or 'min'. Default: the unconverted peak.",
+)
+@click.option(
+    "--allow",
+    "allow",
+    multiple=True,
+    help="Techniques the plan may use (comma-separated; default all: fewbit,blpa,checkpoint,offload).",
+)
+@click.option("--bits", type=int, default=3, show_default=True, help="Few-bit table bits.")
+@click.option("--objective", type=click.Choice(["time", "memory"]), default="time", show_default=True)
+@click.option("--chain", default=None, help="Qualified name of the Sequential/ModuleList to plan over.")
+@click.option("--measure", is_flag=True, help="Apply the plan to a fresh model and measure one step.")
+@click.option("--plot", "plot_path", default=None, help="Write the figure (png, pdf, svg).")
+@click.option("--save", "save_path", default=None, help="Write the plan as JSON.")
+@click.option("--force", is_flag=True, help="Overwrite existing output files.")
+def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measure, plot_path, save_path, force):
+    """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget."""
+    input_shapes = [parse_shape(s) for s in shapes]
+    allowed = _allow(allow)
+    for path in (plot_path, save_path):
+        if path is not None:
+            check_writable(path, force=force)
+    if plot_path is not None and os.path.splitext(plot_path)[1].lower() not in (".png", ".pdf", ".svg"):
+        raise FewBitError(f"--plot must end in .png, .pdf or .svg, got {plot_path!r}")
+    if vocab is not None and vocab < 1:
+        raise FewBitError(f"--vocab must be a positive integer, got {vocab}")
+    function = load_factory(factory)
+    import torch
+
+    from ..runtime import planner
+
+    budget_value = _budget(budget)
+    if isinstance(budget_value, str) and budget_value.strip().lower() != "min":
+        from ..runtime.checkpoint import parse_budget
+
+        budget_value = parse_budget(budget_value)  # a bad budget fails before the model is profiled
+    model = _build(function, factory)
+    generator = torch.Generator().manual_seed(0)
+    if vocab is not None:
+        inputs = [torch.randint(0, vocab, shape, generator=generator) for shape in input_shapes]
+    else:
+        inputs = [torch.randn(shape, generator=generator) for shape in input_shapes]
+    plan = planner.plan_memory(
+        model, *inputs, budget=budget_value, allow=allowed, bits=bits, objective=objective, chain=chain
+    )
+    if measure:
+        fresh = plan.apply(_build(function, factory))
+        plan.measure(fresh, *inputs)
+    click.echo(plan.report())
+    if save_path is not None:
+        write_text_atomic(save_path, plan.to_json(), force=force)
+        click.echo(f"plan written to {save_path}")
+    if plot_path is not None:
+        plot_plan(plan, plot_path, force=force)
+        click.echo(f"figure written to {plot_path}")
