@@ -10,8 +10,9 @@ For each model, three modes run the same training step (forward + backward, then
   backward on a background thread.
 
 Peak: ``memory.peak(model, x)``: the largest bytes of live tensors (parameters, input and everything allocated in
-the step, forward and backward) in one step; the process's own peak resident memory (VmHWM, reset before the step;
-the page cache that holds the file is not in it) is printed beside it: it includes the interpreter and libraries.
+the step, forward and backward) in one step. Beside it, the growth of the process's resident memory during that
+step (peak VmHWM, reset before the step, minus VmRSS at its start; the page cache that holds the file is not
+resident memory of the process).
 Time: median of the timed steps, the modes interleaved (the peak is measured in a separate step, since the
 instrument slows operators). Ratios are against ``none`` from the same run.
 
@@ -73,11 +74,29 @@ def vm_hwm_reset() -> bool:
         return False
 
 
-def vm_hwm_mib() -> float:
+def status_mib(field: str) -> float:
     for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith("VmHWM:"):
+        if line.startswith(field + ":"):
             return int(line.split()[1]) / 1024
     return float("nan")
+
+
+def disk_bandwidth(directory: str, nbytes: int = 256 * MiB, chunk: int = 32 * MiB) -> tuple[float, float]:
+    """Write and read back ``nbytes`` in ``chunk`` pieces with os.pwrite / os.preadv (as the disk target does)."""
+    fd, path = tempfile.mkstemp(dir=directory)
+    os.unlink(path)
+    data = torch.randint(0, 256, (chunk,), dtype=torch.uint8).numpy()
+    try:
+        start = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.pwrite(fd, memoryview(data), offset)
+        middle = time.perf_counter()
+        for offset in range(0, nbytes, chunk):
+            os.preadv(fd, [memoryview(data)], offset)
+        end = time.perf_counter()
+    finally:
+        os.close(fd)
+    return nbytes / (middle - start) / 1e9, nbytes / (end - middle) / 1e9
 
 
 def step(model: nn.Module, x: torch.Tensor, mode: str, directory: str) -> offload.Stats | None:
@@ -113,6 +132,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, steps: int, directory:
     rows = []
     for mode in modes:
         has_hwm = vm_hwm_reset()
+        rss_entry = status_mib("VmRSS")
         with memory.peak(model, x) as peak:
             step(model, x, mode, directory)
         stats = offloaded[mode]
@@ -124,7 +144,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, steps: int, directory:
                 "offloaded_mib": round(stats.bytes / MiB, 1) if stats else 0.0,
                 "offloaded_tensors": stats.tensors if stats else 0,
                 "peak_mib": round(peak.max_bytes / MiB, 1),
-                "rss_peak_mib": round(vm_hwm_mib(), 1) if has_hwm else "",
+                "rss_step_mib": round(status_mib("VmHWM") - rss_entry, 1) if has_hwm else "",
                 "step_s": round(statistics.median(times[mode]), 3),
                 "step_s_all": " ".join(f"{t:.2f}" for t in times[mode]),
             }
@@ -135,7 +155,7 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, steps: int, directory:
         row["time_ratio"] = round(row["step_s"] / base["step_s"], 3)
         print(
             f"  {row['mode']:8s} peak {row['peak_mib']:8.1f} MiB (x{row['peak_ratio']:.3f})  "
-            f"rss peak {row['rss_peak_mib']} MiB  step {row['step_s']:.3f} s (x{row['time_ratio']:.3f})  "
+            f"rss +{row['rss_step_mib']} MiB  step {row['step_s']:.3f} s (x{row['time_ratio']:.3f})  "
             f"offloaded {row['offloaded_mib']} MiB in {row['offloaded_tensors']} tensors"
         )
     sync, none = rows[1], rows[0]
@@ -165,6 +185,8 @@ def main() -> None:
     directory = args.directory or tempfile.gettempdir()
     batch = 65536 if args.full else 16384  # MLP: 32 MiB (full) / 8 MiB (quick) per activation, width 128
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} cores, offload folder {directory}")
+    write, read = disk_bandwidth(directory)
+    print(f"disk: pwrite {write:.2f} GB/s, preadv {read:.2f} GB/s (256 MiB, page cache)")
     rows = measure("mlp-chain", mlp_chain(128, 32), torch.randn(batch, 128), args.steps, directory)
     rows += measure("small-cnn", small_cnn(32), torch.randn(32, 3, 64, 64), args.steps, directory)
     default = Path(__file__).parent / "results" / f"offload{'' if args.full else '-quick'}.csv"
