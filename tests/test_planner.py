@@ -233,3 +233,16 @@ def test_load_plan_errors(tmp_path):
         load_plan(bad)
     with pytest.raises(FewBitError, match="cannot read"):
         load_plan(tmp_path / "missing.json")
+
+
+def test_replan_uses_the_profile_only(mlp_plan):
+    plan, _ = mlp_plan
+    only = plan.replan("min", allow=("checkpoint",))
+    assert set(only.choices) <= {"plain", "checkpoint"}
+    assert only.costs is plan.costs
+    assert only.predicted_peak_bytes == only.facts["minimum_budget_bytes"] >= plan.facts["minimum_budget_bytes"]
+    assert (
+        plan.replan(1.0).choices == tuple("plain" for _ in plan.choices) or plan.replan(1.0).predicted_extra_seconds < 0
+    )
+    with pytest.raises(FewBitError, match="smallest feasible"):
+        plan.replan(0.01)

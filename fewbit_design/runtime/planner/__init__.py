@@ -38,9 +38,9 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
-from .model import minimum_budget, optimise, replay
+from .model import ChainCosts, minimum_budget, optimise, replay
 from .plan import FORMAT, MemoryPlan, format_bytes, load_plan
-from .techniques import TECHNIQUES
+from .techniques import TECHNIQUES, parse_option
 
 __all__ = ["plan_memory", "load_plan", "MemoryPlan", "TECHNIQUES", "OBJECTIVES", "FORMAT", "format_bytes"]
 
@@ -131,20 +131,49 @@ def plan_memory(
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
     settings = {"allow": allow, "bits": bits, "blpa_bits": blpa_bits, "objective": objective, "offload": offload}
+    return _choose(
+        chain_name,
+        costs,
+        facts,
+        baseline=baseline,
+        step_seconds=step_seconds,
+        settings=settings,
+        budget=budget,
+        allow=allow,
+    )
+
+
+def _choose(
+    chain_name: str,
+    costs: ChainCosts,
+    facts: dict[str, Any],
+    *,
+    baseline: int,
+    step_seconds: float,
+    settings: dict[str, Any],
+    budget: Any,
+    allow: Any,
+) -> MemoryPlan:
+    """Optimise over a profile: the options of each block whose techniques are all in ``allow``."""
+    if isinstance(allow, str):
+        allow = (allow,)
+    allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
+    objective = check_choice("objective", settings["objective"], OBJECTIVES)
+    allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
     plain = replay(costs, [b.option("plain") for b in costs.blocks]).peak
-    smallest = minimum_budget(costs)
+    smallest = minimum_budget(costs, allowed)
     if objective == "memory" or budget is None:
         target = plain if budget is None and objective == "time" else smallest
     else:
         target = _budget(budget, baseline + plain, baseline + smallest) - baseline
-    choices = optimise(costs, target)
+    choices = optimise(costs, target, allowed)
     if choices is None:
         raise FewBitError(
             f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
             f"the smallest feasible peak is {format_bytes(smallest + baseline)} (unconverted: "
             f"{format_bytes(plain + baseline)})"
         )
-    facts["minimum_budget_bytes"] = smallest + baseline
+    facts = {**facts, "minimum_budget_bytes": smallest + baseline}
     return MemoryPlan(
         chain=chain_name,
         choices=tuple(choices),
@@ -152,6 +181,6 @@ def plan_memory(
         budget_bytes=target + baseline,
         baseline_bytes=baseline,
         step_seconds=step_seconds,
-        settings=settings,
+        settings={**settings, "allow": allow},
         facts=facts,
     )

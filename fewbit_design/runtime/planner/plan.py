@@ -117,6 +117,27 @@ class MemoryPlan:
         saved = max(held - self.costs.blocks[-1].output_bytes, 0)
         return {"saved_bytes": saved, "extra_seconds": sum(o.seconds for o in plain) / 3}
 
+    # --- planning again from the same profile ---------------------------------------------------------------
+    def replan(
+        self, budget: int | str | float | None = None, *, allow: Any = None, objective: str = "time"
+    ) -> MemoryPlan:
+        """A new plan from this plan's profile (no model run): another ``budget`` (as in ``plan_memory``), a subset
+        of the profiled techniques (``allow``), or another ``objective``. Raises :class:`FewBitError` when nothing
+        fits."""
+        from . import _choose
+
+        allow = tuple(self.settings["allow"]) if allow is None else allow
+        return _choose(
+            self.chain,
+            self.costs,
+            dict(self.facts),
+            baseline=self.baseline_bytes,
+            step_seconds=self.step_seconds,
+            settings={**self.settings, "objective": objective},
+            budget=budget,
+            allow=allow,
+        )
+
     # --- applying --------------------------------------------------------------------------------------------
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert ``model`` (in place) as planned and return it. ``model`` must have the profiled architecture
