@@ -2,11 +2,16 @@
 
 Offloading moves every saved byte twice (out in forward, back in backward) and pays a fixed cost per tensor.
 Transfers overlap with compute, so with ``compute_seconds`` (forward + backward time of the region) only the part
-that compute cannot hide is charged; without it the estimate is the upper bound (nothing hidden).
+that compute cannot hide is charged; without it the estimate is the upper bound (nothing hidden). On CPU the
+copies into and out of the page cache are CPU work beside the compute; overlap hides their latency, not always
+their cost, so prefer the upper bound where cores are scarce. The per-tensor costs are estimates (thread hand-off
+and system calls; stream and event calls on CUDA), not measurements.
 
-Bandwidths: ``disk`` is measured on the 2-core development machine by ``benchmarks/offload.py`` (page cache
-warm, as during training: the file is read back seconds after it is written); ``cuda-host`` is an assumption
-(pinned PCIe 4.0 x16, about 12 GB/s per direction), not a measurement: pass ``bandwidth=`` measured on your GPU.
+Bandwidths (bytes per second, out then back): ``disk`` was measured on the 2-core development machine by
+``benchmarks/offload.py`` (``os.pwrite`` 0.23-0.44 GB/s, ``os.preadv`` 2.6-3.7 GB/s from the page cache, as during
+training, where the file is read back seconds after it is written; the lower numbers under heavy load);
+``cuda-host`` is an assumption (pinned PCIe 4.0 x16, about 12 GB/s each way), not a measurement. Pass
+``bandwidth=`` (one figure for both directions) measured on your machine.
 """
 
 from __future__ import annotations
@@ -17,7 +22,7 @@ from ...errors import FewBitError, check_choice
 
 __all__ = ["Cost", "cost", "BANDWIDTH", "PER_TENSOR_SECONDS"]
 
-BANDWIDTH = {"disk": 1.5e9, "cuda-host": 12e9}
+BANDWIDTH = {"disk": (0.4e9, 3.0e9), "cuda-host": (12e9, 12e9)}
 PER_TENSOR_SECONDS = {"disk": 40e-6, "cuda-host": 15e-6}
 
 
@@ -47,10 +52,13 @@ def cost(
     check_choice("target", target, BANDWIDTH)
     if isinstance(saved_bytes, bool) or not isinstance(saved_bytes, int) or saved_bytes < 0:
         raise FewBitError(f"saved_bytes must be an integer >= 0, got {saved_bytes!r}")
-    rate = BANDWIDTH[target] if bandwidth is None else float(bandwidth)
-    if not rate > 0:
-        raise FewBitError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}")
+    if bandwidth is None:
+        out, back = BANDWIDTH[target]
+    else:
+        out = back = float(bandwidth)
+        if not out > 0:
+            raise FewBitError(f"bandwidth must be > 0 bytes per second, got {bandwidth!r}")
     overhead = max(int(tensors), 0) * PER_TENSOR_SECONDS[target]
-    transfer = 2 * saved_bytes / rate
+    transfer = saved_bytes / out + saved_bytes / back
     hidden = 0.0 if compute_seconds is None else min(transfer, max(float(compute_seconds), 0.0))
     return Cost(saved_bytes, transfer - hidden + overhead)
