@@ -28,7 +28,7 @@ import numpy as np
 
 from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice
-from ...table import MODES, Table, loads
+from ...table import MODES, Table
 
 __all__ = [
     "INDEX_FORMAT",
@@ -95,9 +95,34 @@ def read_table_text(path: str | os.PathLike) -> str:
     return text
 
 
+def _check_numbers(data: Any, source: str) -> None:
+    """Every number of the numeric fields converts to a float (JSON integers like 10**400 do not: OverflowError)."""
+    if not isinstance(data, dict):
+        return
+    for name in ("boundaries", "codes", "levels", "error", "snr_db"):
+        value = data.get(name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                try:
+                    float(item)
+                except OverflowError:
+                    raise FewBitError(
+                        f"table {source!r}: field {name!r} holds the integer {str(item)[:20]}... "
+                        f"({len(str(item))} digits), beyond the float range"
+                    ) from None
+
+
+def _from_text(text: str, source: str) -> Table:
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    _check_numbers(data, source)
+    return Table.from_dict(data, source=source)
+
+
 def _load_path(path: str | os.PathLike) -> Table:
-    table = loads(read_table_text(path), source=str(path))
-    return check_kernel_table(table)
+    return check_kernel_table(_from_text(read_table_text(path), str(path)))
 
 
 def check_kernel_table(table: Table) -> Table:
@@ -299,6 +324,7 @@ def as_table(table: TableLike) -> Table:
     if isinstance(table, Table):
         return check_kernel_table(table)
     if isinstance(table, Mapping):
+        _check_numbers(dict(table), "<dict>")
         return check_kernel_table(Table.from_dict(dict(table), source="<dict>"))
     if isinstance(table, str | os.PathLike):
         return load_table_file(table)
