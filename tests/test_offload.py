@@ -48,6 +48,8 @@ def offload_threads():
 
 def open_offload_files():
     """Descriptors of this process that point at offload files (unlinked files show as '... (deleted)')."""
+    if not os.path.isdir("/proc/self/fd"):  # (not Linux: only the folder listing checks for files left)
+        return []
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
@@ -378,8 +380,9 @@ def test_unwritable_or_missing_directory(tmp_path):
         offload.saved_tensors(target="disk", directory=a_file)
     with pytest.raises(FewBitError, match="existing folder"):
         offload.saved_tensors(target="disk", directory=tmp_path / "missing")
-    with pytest.raises(FewBitError, match="not writable"):  # /proc refuses new files, even to root
-        offload.saved_tensors(target="disk", directory="/proc")
+    if sys.platform.startswith("linux"):
+        with pytest.raises(FewBitError, match="not writable"):  # /proc refuses new files, even to root
+            offload.saved_tensors(target="disk", directory="/proc")
     assert open_offload_files() == []
 
 
@@ -414,16 +417,26 @@ def test_disk_filling_up_fails_in_forward(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_write_error_is_one_clear_error_not_a_gradient(prefetch, tmp_path, monkeypatch):
+    """A failed write raises FewBitError (in forward, or in backward when the data is needed), never a gradient
+    computed from missing data. With writes behind (prefetch 2), a tensor whose write has not run yet is still
+    in memory, so backward may also finish from memory, with the exact gradient."""
+
     def broken(fd, data, offset):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     monkeypatch.setattr(disk, "_pwrite_all", broken)
     x = torch.randn(4096, requires_grad=True)
-    with pytest.raises(FewBitError, match="No space left on device"):
+    expected = torch.autograd.grad(torch.tanh(torch.tanh(x * 1)).sum(), x)[0]
+    try:
         with offload.saved_tensors(target="disk", min_bytes=0, prefetch=prefetch, directory=tmp_path):
             loss = torch.tanh(torch.tanh(x * 1)).sum()
         loss.backward()
-    assert x.grad is None
+    except FewBitError as error:
+        assert "No space left on device" in str(error)
+        assert x.grad is None
+    else:
+        assert prefetch and torch.equal(x.grad, expected)
+    loss = None
     assert_nothing_left(tmp_path)
 
 

@@ -149,7 +149,10 @@ class _ModuleOffloader:
 
     def __deepcopy__(self, memo: dict) -> _ModuleOffloader:
         copy = _ModuleOffloader.__new__(_ModuleOffloader)
-        copy.options, copy._model, copy._session, copy._regions, copy.stats = self.options, self._model, None, [], None
+        model = self._model()
+        copied = memo.get(id(model), model) if model is not None else None  # the copy of the model, if made
+        copy._model = weakref.ref(copied) if copied is not None else self._model
+        copy.options, copy._session, copy._regions, copy.stats = self.options, None, [], None
         return copy
 
     def enter(self) -> None:
