@@ -2,8 +2,9 @@
 
 Convention (DESIGN.md): x >= boundary -> the interval on the right; the runtime rounds boundaries *up* to float32.
 A table is exact at a kink k when its boundary sits at k where torch uses the right piece there, and at
-nextafter(k, +inf) (float64) where torch uses the left piece. Until the shipped tables are built that way, the
-tables here are built from the registry: boundaries at the kinks, one code per piece, levels = f' on each piece where
+nextafter(k, +inf) (float64) where torch uses the left piece. The shipped tables are built that way (design side,
+14d015f) and are tested at the end; the tests above them do not depend on the shipped set: their tables are built
+from the registry: boundaries at the kinks, one code per piece, levels = f' on each piece where
 f' is piecewise constant (then the few-bit gradient is torch's, bitwise, everywhere) and distinct arbitrary levels
 elsewhere (then the test checks which piece each point lands in).
 
@@ -127,6 +128,12 @@ def expected_pieces(name, points):
     return result
 
 
+def torch_oracle(name, x, grad):
+    """torch's gradient, with the runtime's non-finite rule at NaN input (NaN: torch's own there depends on the
+    element's position in the tensor, see tests/test_nonfinite.py)."""
+    return torch.where(torch.isnan(x), torch.full_like(grad, math.nan), torch_grad(name, x, grad))
+
+
 def same_bits(a, b):
     """Bitwise equality, NaN == NaN (any payload): what 'torch's gradient, bitwise' means here."""
     if a.dtype != b.dtype or a.shape != b.shape:
@@ -178,7 +185,7 @@ def test_piecewise_constant_gradient_is_torchs_bitwise_everywhere(name, dtype, b
     generator = torch.Generator().manual_seed(1)
     grad = (torch.randn(x.shape, generator=generator, dtype=torch.float64) * 3).to(dtype)
     got = fewbit_grad(exact_table(name), name, x, grad, backend)
-    expected = torch_grad(name, x, grad)
+    expected = torch_oracle(name, x, grad)
     assert same_bits(got, expected), (name, dtype, backend, (got - expected).abs().max())
 
 
@@ -190,18 +197,16 @@ def test_zero_level_gives_plus_zero_like_torch():
         assert torch.signbit(got).tolist() == [False, False], backend
 
 
-def shipped_tables_are_exact():
-    """True once the design side ships tables with boundaries at the kinks (issue 10.3): relu 1-bit as the probe."""
+def test_shipped_tables_sit_at_the_kinks():
+    # the design side ships exact tables since 14d015f: relu's boundary is the float64 after 0, levels 0 and 1
     from fewbit_design.runtime import load_table
 
     table = load_table("relu", bits=1)
-    return table.boundaries.tolist() == [math.nextafter(0.0, math.inf)] and table.levels.tolist() == [0.0, 1.0]
+    assert table.boundaries.tolist() == [math.nextafter(0.0, math.inf)] and table.levels.tolist() == [0.0, 1.0]
 
 
 @pytest.mark.parametrize("name", PIECEWISE_CONSTANT)
 def test_shipped_piecewise_constant_tables_are_exact(name):
-    if not shipped_tables_are_exact():
-        pytest.skip("the shipped tables do not sit at the kinks yet (issue 10.3, design side)")
     from fewbit_design.runtime import load_table
 
     table = load_table(name, bits=2)
@@ -209,14 +214,12 @@ def test_shipped_piecewise_constant_tables_are_exact(name):
         x = special_and_random(name, dtype, count=100)
         grad = torch.randn(x.shape, dtype=torch.float64).to(dtype)
         for backend in ("reference", "numba"):
-            assert same_bits(fewbit_grad(table, name, x, grad, backend), torch_grad(name, x, grad)), (name, dtype)
+            assert same_bits(fewbit_grad(table, name, x, grad, backend), torch_oracle(name, x, grad)), (name, dtype)
 
 
 @pytest.mark.parametrize("name", KINKED)
 def test_shipped_tables_at_kinks_use_torchs_piece(name):
     # at a kink the few-bit gradient is the level of the piece torch uses: the same as at the neighbour on that side
-    if not shipped_tables_are_exact():
-        pytest.skip("the shipped tables do not sit at the kinks yet (issue 10.3, design side)")
     from fewbit_design.runtime import load_table
 
     table = load_table(name, bits=3)

@@ -536,20 +536,29 @@ SECOND_ORDER_MESSAGE = (
 )
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
+def _maybe_nonfinite(x: torch.Tensor) -> torch.Tensor:
+    """A 0-dim bool tensor: False proves every element of x finite (True: some may not be; scan to know).
+
+    One reduction, no temporary: ``sum`` (its result is non-finite when an element is NaN or +-inf, and also when
+    finite values overflow the sum, which the exact scan then clears); for float16, whose sums overflow at 65504,
+    ``aminmax`` (NaN propagates, +-inf shows in the min or max). Measured on 2^22 elements, one thread: 1.2-1.5 ms,
+    about a tenth of the few-bit forward (``sum(dtype=float32)`` on 16-bit input costs 4 ms: it converts first).
+    """
+    if x.dtype == torch.float16:
+        low, high = torch.aminmax(x)
+        return ~(torch.isfinite(low) & torch.isfinite(high))
+    return ~torch.isfinite(torch.sum(x))
 
 
 def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The sparse record of x's non-finite elements: (positions, values), or None when every element is finite.
 
     ``positions`` are int64 indices into x flattened in logical (row-major) order, ``values`` x's NaN / +-inf there
-    (x's dtype). The common, all-finite case costs one reduction over x (``sum``: finite sum => every element
-    finite; a non-finite sum, from NaN, inf or an overflowing sum of finite values, runs the exact scan) and saves
+    (x's dtype). The common, all-finite case costs one reduction over x (:func:`_maybe_nonfinite`) and saves
     nothing.
     """
     detached = x.detach()
-    if detached.numel() == 0 or bool(torch.isfinite(torch.sum(detached, dtype=_accumulation_dtype(x.dtype)))):
+    if detached.numel() == 0 or not bool(_maybe_nonfinite(detached)):
         return None
     mask = ~torch.isfinite(detached)
     positions = torch.nonzero(mask.reshape(-1)).reshape(-1)
@@ -593,7 +602,7 @@ class _FewBitFunction(torch.autograd.Function):
         # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
         if torch.compiler.is_compiling():
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
-            flag = ~torch.isfinite(torch.sum(x.detach(), dtype=_accumulation_dtype(x.dtype)))
+            flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             record = (flag, None)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
