@@ -191,7 +191,7 @@ def quantize_reference(
 ) -> torch.Tensor:
     """Packed codes of x (flattened in contiguous order): uint8, ``ceil(numel / 8) * bits`` bytes."""
     _check_input(x, boundaries, interval_codes, bits)
-    flat = x.detach().reshape(-1).to(boundaries.dtype)
+    flat = x.detach().reshape(-1).to(boundaries.dtype).contiguous()
     # interval = number of boundaries <= x (searchsorted right); NaN goes to the last interval
     interval = torch.searchsorted(boundaries, flat, right=True)
     interval = torch.where(torch.isnan(flat), boundaries.numel(), interval)
