@@ -12,7 +12,7 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -82,7 +82,6 @@ class Profile:
     blocks: tuple[BlockProfile, ...]
     per_block: bool = False
     device: str = "cpu"
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __len__(self) -> int:
         return len(self.blocks)

@@ -1,0 +1,210 @@
+"""Checkpoint plans on chains of n blocks: measured peak memory and step time per strategy, against no checkpointing.
+
+For each block type (``mlp``: x + Linear(GELU(Linear(LayerNorm(x)))); ``transformer``: a pre-norm attention +
+MLP block on sequences) and each depth n, it profiles the chain once, plans every strategy of
+``fewbit_design.runtime.checkpoint`` (``optimal`` without a budget: its smallest peak), and measures in the same run:
+
+* the peak of live tensor bytes over a training step (``memory.peak()``: forward + backward, exact on CPU) against
+  the plan's predicted peak;
+* the step time (forward + backward, median of repeats, without the memory instrument) and its ratio to no
+  checkpointing at the same n.
+
+Then the log-log slope of measured peak against n over n = 16 .. 256 per strategy (sqrt(n) growth is 0.5, linear
+is 1.0). Writes ``benchmarks/results/checkpoint_memory.csv`` and ``docs/figures/checkpoint_memory.png``.
+
+    python benchmarks/checkpoint_memory.py            # n = 8 .. 256, both block types
+    python benchmarks/checkpoint_memory.py --quick    # n = 8 .. 64 (a few minutes)
+
+Timings use one torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads spin against
+other processes and a step gets ten times slower and erratic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import math
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from fewbit_design.runtime import checkpoint, memory
+
+ROOT = Path(__file__).resolve().parent.parent
+STRATEGIES = ("none", "sqrt", "greedy", "recursive", "optimal")
+
+
+class MLPBlock(torch.nn.Module):
+    def __init__(self, width: int) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.norm(x))
+
+
+class TransformerBlock(torch.nn.Module):
+    def __init__(self, width: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1, self.norm2 = torch.nn.LayerNorm(width), torch.nn.LayerNorm(width)
+        self.qkv = torch.nn.Linear(width, 3 * width)
+        self.proj = torch.nn.Linear(width, width)
+        self.mlp = torch.nn.Sequential(
+            torch.nn.Linear(width, 4 * width), torch.nn.GELU(), torch.nn.Linear(4 * width, width)
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, width = x.shape
+        q, k, v = self.qkv(self.norm1(x)).view(batch, length, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        attention = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attention.transpose(1, 2).reshape(batch, length, width))
+        return x + self.mlp(self.norm2(x))
+
+
+def make_chain(kind: str, n: int) -> tuple[torch.nn.Sequential, torch.Tensor]:
+    torch.manual_seed(0)
+    if kind == "mlp":
+        width, batch = 32, 2048
+        return torch.nn.Sequential(*[MLPBlock(width) for _ in range(n)]), torch.randn(batch, width)
+    width, batch, length = 32, 32, 64
+    return torch.nn.Sequential(*[TransformerBlock(width) for _ in range(n)]), torch.randn(batch, length, width)
+
+
+def step(model: torch.nn.Module, x: torch.Tensor) -> None:
+    for parameter in model.parameters():
+        parameter.grad = None
+    model(x).sum().backward()
+
+
+def measure_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
+    with memory.peak() as p:
+        step(model, x)
+    return p.peak_bytes
+
+
+def measure_times(models: dict[str, torch.nn.Module], x: torch.Tensor, repeats: int) -> dict[str, float]:
+    """Median step time per model, the models timed in turn (round robin) so that load changes hit all alike."""
+    times: dict[str, list[float]] = {name: [] for name in models}
+    for _ in range(repeats):
+        for name, model in models.items():
+            start = time.perf_counter()
+            step(model, x)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def slope(ns: list[int], peaks: list[int]) -> float:
+    return float(np.polyfit(np.log(ns), np.log(peaks), 1)[0])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="n = 8 .. 64 only")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps per plan (median)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    ns = [8, 16, 32, 64] if args.quick else [8, 16, 32, 64, 128, 256]
+    rows = []
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(
+        f"{'block':<12}{'n':>5} {'strategy':<10}{'predicted':>12}{'measured':>12}{'pred/meas':>10}{'step s':>9}"
+        f"{'x none':>8}{'peak/none':>10}"
+    )
+    for kind in ("mlp", "transformer"):
+        for n in ns:
+            blocks, x = make_chain(kind, n)
+            profile = checkpoint.profile(blocks, x)
+            plans = {strategy: checkpoint.plan(profile, strategy=strategy) for strategy in STRATEGIES}
+            models = {strategy: checkpoint.apply(blocks, plan) for strategy, plan in plans.items()}
+            peaks = {strategy: measure_peak(model, x) for strategy, model in models.items()}
+            seconds = measure_times(models, x, args.repeats)
+            for strategy, plan in plans.items():
+                peak = peaks[strategy]
+                row = {
+                    "block": kind,
+                    "n": n,
+                    "strategy": strategy,
+                    "predicted_peak_bytes": plan.peak_bytes,
+                    "measured_peak_bytes": peak,
+                    "predicted_over_measured": plan.peak_bytes / peak,
+                    "step_seconds": seconds[strategy],
+                    "time_ratio_to_none": seconds[strategy] / seconds["none"],
+                    "peak_ratio_to_none": peak / peaks["none"],
+                    "predicted_extra_seconds": plan.extra_seconds,
+                    "forward_seconds": plan.forward_seconds,
+                    "checkpointed_segments": len(plan.checkpointed),
+                }
+                rows.append(row)
+                print(
+                    f"{kind:<12}{n:>5} {strategy:<10}{plan.peak_bytes / 2**20:>10.2f}Mi{peak / 2**20:>10.2f}Mi"
+                    f"{row['predicted_over_measured']:>10.3f}{row['step_seconds']:>9.3f}"
+                    f"{row['time_ratio_to_none']:>8.2f}{row['peak_ratio_to_none']:>10.3f}",
+                    flush=True,
+                )
+    name = "checkpoint_memory_quick.csv" if args.quick else "checkpoint_memory.csv"
+    results = ROOT / "benchmarks" / "results" / name
+    results.parent.mkdir(parents=True, exist_ok=True)
+    with results.open("w", newline="") as file:
+        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
+        writer.writeheader()
+        writer.writerows(rows)
+    print(f"wrote {results.relative_to(ROOT)}")
+    fit = [n for n in ns if n >= 16]
+    print("\nlog-log slope of measured peak against n over n = " + ", ".join(map(str, fit)))
+    for kind in ("mlp", "transformer"):
+        slopes = []
+        for strategy in STRATEGIES:
+            peaks = [r["measured_peak_bytes"] for r in rows if r["block"] == kind and r["strategy"] == strategy]
+            slopes.append(f"{strategy} {slope(fit, peaks[-len(fit) :]):.2f}")
+        worst = max(abs(r["predicted_over_measured"] - 1) for r in rows if r["block"] == kind)
+        sqrt_time = max(r["time_ratio_to_none"] for r in rows if r["block"] == kind and r["strategy"] == "sqrt")
+        print(
+            f"  {kind:<12}" + ", ".join(slopes) + f"; worst |predicted/measured - 1| {worst:.3f}; "
+            f"sqrt step time at most {sqrt_time:.2f}x none"
+        )
+    if not args.quick:
+        plot(rows, ns)
+
+
+def plot(rows: list[dict], ns: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
+    for axis, kind in zip(axes, ("mlp", "transformer"), strict=True):
+        for strategy in STRATEGIES:
+            peaks = [r["measured_peak_bytes"] / 2**20 for r in rows if r["block"] == kind and r["strategy"] == strategy]
+            predicted = [
+                r["predicted_peak_bytes"] / 2**20 for r in rows if r["block"] == kind and r["strategy"] == strategy
+            ]
+            (line,) = axis.plot(ns, peaks, "o-", label=f"{strategy} (measured)")
+            axis.plot(ns, predicted, "x", color=line.get_color(), markersize=8)
+        sqrt_peaks = [r["measured_peak_bytes"] / 2**20 for r in rows if r["block"] == kind and r["strategy"] == "sqrt"]
+        reference = [sqrt_peaks[1] * math.sqrt(n / ns[1]) for n in ns]
+        axis.plot(ns, reference, "k--", linewidth=1, label="∝ √n")
+        axis.set_xscale("log", base=2)
+        axis.set_yscale("log")
+        axis.set_xlabel("blocks n")
+        axis.set_ylabel("peak of a training step (MiB)")
+        axis.set_title(f"{kind} blocks (x: predicted)")
+        axis.grid(True, which="both", alpha=0.3)
+    axes[0].legend(fontsize=8)
+    figure.tight_layout()
+    path = ROOT / "docs" / "figures" / "checkpoint_memory.png"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(path, dpi=120)
+    print(f"wrote {path.relative_to(ROOT)}")
+
+
+if __name__ == "__main__":
+    main()
