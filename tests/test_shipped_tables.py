@@ -55,7 +55,7 @@ def test_level_sets_never_worse_than_intervals_in_the_shipped_set():
         if mode == "levelsets":
             assert error <= tables[(folder, weight, bits, "intervals")] * (1 + 1e-6) + 1e-15, (folder, weight, bits)
             checked += 1
-    assert checked == len(table_specs()) // 4
+    assert checked == len(table_specs()) // 2  # every level-sets table has an intervals twin
 
 
 def test_even_derivatives_ship_symmetric_intervals_tables():
@@ -99,16 +99,19 @@ def test_build_is_deterministic_on_one_machine():
 
 def test_build_check_finds_the_shipped_set_the_same_table_and_writes_nothing(tmp_path):
     # the cross-machine comparison: rebuilt in memory, compared by the definition of tables.same
-    before = {p: p.stat().st_mtime_ns for p in (TABLES_DIR / "hardswish").iterdir()}
-    assert check(activations=["hardswish"], jobs=1) == []
-    assert {p: p.stat().st_mtime_ns for p in (TABLES_DIR / "hardswish").iterdir()} == before
+    before = {p: p.stat().st_mtime_ns for p in (TABLES_DIR / "hardsigmoid").iterdir()}
+    assert check(activations=["hardsigmoid"], jobs=1) == []
+    assert {p: p.stat().st_mtime_ns for p in (TABLES_DIR / "hardsigmoid").iterdir()} == before
 
 
 def test_build_writes_tables_that_check_accepts(tmp_path):
     build(tmp_path, jobs=1, activations=["relu"])
     assert len(read_index(tmp_path)["tables"]) == 32
     for spec in table_specs(["relu"]):
-        assert (tmp_path / spec.file).read_bytes() == (TABLES_DIR / spec.file).read_bytes(), spec.file  # exact tables
+        # every relu table is exact (levels 0 and 1, boundary 5e-324, flat runs laid out by arithmetic): the same
+        # values on any machine, unlike tables of smooth derivatives (the design record may differ: grid_error)
+        built, shipped = (json.loads((root / spec.file).read_text()) for root in (tmp_path, TABLES_DIR))
+        assert {**built, "design": None} == {**shipped, "design": None}, spec.file
 
 
 @pytest.fixture

@@ -177,7 +177,8 @@ def test_kinks_are_listed_and_placed_as_torch_differentiates():
 @pytest.mark.parametrize("name", KINKED)
 def test_every_shipped_table_gives_torchs_piece_at_the_kinks(name):
     bound = activations.bind(name)
-    placements = jump_placements(bound.df, bound.breakpoints)
+    inside = [b for b in bound.breakpoints if -10.0 < b < 10.0]  # the shipped range (softplus jumps at 20)
+    placements = jump_placements(bound.df, inside)
     checked = 0
     for table in _shipped(name):
         for kink, place in placements.items():
