@@ -316,6 +316,22 @@ def test_module_list_in_place_with_keyword_and_non_tensor_arguments(one_torch_th
     assert all("forward" not in block.__dict__ for block in layers)
 
 
+def test_copies_of_checkpointed_models_use_their_own_parameters():
+    # regression: a checkpointed forward that closed over the original block made deep copies train the original
+    layers = torch.nn.ModuleList(list(chain(3)))
+    x = torch.randn(4, WIDTH)
+    checkpoint.wrap(layers, x, budget=checkpoint.minimum_budget(checkpoint.profile(layers, x)))
+    clone = copy.deepcopy(layers)
+    h = x
+    for block in clone:
+        h = block(h)
+    h.sum().backward()
+    assert all(p.grad is not None for p in clone.parameters())
+    assert all(p.grad is None for p in layers.parameters())
+    sequential = checkpoint.apply(chain(4), checkpoint.plan(checkpoint.profile(chain(4), x), strategy="sqrt"))
+    assert type(sequential[1:3]) is torch.nn.Sequential and len(sequential[1:3]) == 2
+
+
 def test_module_list_rejects_multi_block_segments():
     blocks = chain(4)
     plan = checkpoint.plan(checkpoint.profile(blocks, torch.randn(4, WIDTH)), strategy="sqrt")

@@ -112,10 +112,11 @@ class CheckpointedSequential(torch.nn.Sequential):
             super().__init__(*modules)
         self.plan = plan
         self.selective = selective
-        blocks = list(self)
-        self._contexts = {}
-        for segment in _all_checkpointed(plan.segments):
-            self._contexts[(segment.start, segment.stop)] = _context_fn(blocks[segment.start : segment.stop], selective)
+
+    def __getitem__(self, index):
+        if isinstance(index, slice):  # a part of the chain: the plan does not apply to it
+            return torch.nn.Sequential(OrderedDict(list(self._modules.items())[index]))
+        return super().__getitem__(index)
 
     def forward(self, x: Any) -> Any:  # noqa: D102 (nn.Module.forward)
         if not _checkpointing(self):
@@ -131,7 +132,7 @@ class CheckpointedSequential(torch.nn.Sequential):
                     functools.partial(self._run, children),
                     x,
                     use_reentrant=False,
-                    context_fn=self._contexts[(segment.start, segment.stop)],
+                    context_fn=_context_fn(blocks[segment.start : segment.stop], self.selective),
                 )
             else:
                 for block in blocks[segment.start : segment.stop]:
@@ -142,21 +143,21 @@ class CheckpointedSequential(torch.nn.Sequential):
         return f"plan={self.plan.strategy!r}, checkpointed={self.plan.checkpointed}"
 
 
-def _all_checkpointed(segments: Sequence[Segment]) -> Iterator[Segment]:
-    for segment in segments:
-        if segment.checkpoint:
-            yield segment
-            yield from _all_checkpointed(segment.children)
+class _CheckpointedForward:
+    """A block's instance ``forward`` that checkpoints its class's forward. It holds the module itself (not a bound
+    method), so ``copy.deepcopy`` of the model gives the copy a forward of its own block."""
 
+    def __init__(self, module: torch.nn.Module, selective: bool) -> None:
+        self.module = module
+        self.selective = selective
 
-def _checkpointed_forward(module: torch.nn.Module, original: Callable, context_fn: Callable) -> Callable:
-    def forward(*args: Any, **kwargs: Any) -> Any:
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        module = self.module
+        original = functools.partial(type(module).forward, module)
         if not _checkpointing(module):
             return original(*args, **kwargs)
+        context_fn = _context_fn([module], self.selective)
         return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
-
-    forward.__fewbit_checkpoint__ = True  # type: ignore[attr-defined]
-    return forward
 
 
 def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Module:
@@ -166,7 +167,7 @@ def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Mod
         return torch.nn.Sequential(OrderedDict(blocks._modules))
     if isinstance(blocks, torch.nn.ModuleList):
         for block in blocks:
-            if getattr(block.__dict__.get("forward"), "__fewbit_checkpoint__", False):
+            if isinstance(block.__dict__.get("forward"), _CheckpointedForward):
                 del block.forward
         return blocks
     raise FewBitError(f"remove takes what apply returned, got {type(blocks).__name__}")
@@ -200,8 +201,7 @@ def apply(blocks: Any, plan: Plan, *, selective: bool = False) -> torch.nn.Modul
         for segment in plan.segments:
             if segment.checkpoint:
                 block = blocks[segment.start]
-                original = block.forward
-                block.forward = _checkpointed_forward(block, original, _context_fn([block], selective))
+                block.forward = _CheckpointedForward(block, selective)
         return blocks
     if isinstance(blocks, CheckpointedSequential):
         blocks = list(blocks)
