@@ -209,11 +209,9 @@ def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 @functools.lru_cache(maxsize=16)
 def _read_index(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
     try:
-        document = json.loads(Path(path).read_text(encoding="utf-8"))
+        document = json.loads(read_table_text(path))  # the same size and nesting bounds as a table file
     except json.JSONDecodeError as exc:
         raise FewBitError(f"table index {path!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FewBitError(f"table index {path!r} cannot be read: {exc}") from None
     if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
         raise FewBitError(f"table index {path!r}: field 'format' must be {INDEX_FORMAT!r}")
     entries = document.get("tables")
