@@ -88,18 +88,19 @@ def test_checkpoint_trades_forward_bytes_for_backward_bytes():
     ckpt = OptionCost("checkpoint", 1100, 0, 1200, saves_input=True, saves_output=False, seconds=2.0)
     block = BlockCosts("b", 100, 100, 0, (plain, ckpt))
     chain = ChainCosts((block, block))
-    # plain, plain: after both forwards 1000 + 1000 + x2 (x1 is freed: nobody saves it); block 1's backward +200
-    assert replay(chain, [plain, plain]).peak == 2300
-    # checkpoint, plain: block 1's forward peaks at x1 + 1100; block 0's backward: x1's gradient + 1200
-    assert replay(chain, [ckpt, plain]).peak == 1300
-    # plain, checkpoint: block 1 holds x1; its backward re-materialises 1200 on top of block 0's 1000 + x1 + x2
-    assert replay(chain, [plain, ckpt]).peak == 2400
-    assert replay(chain, [ckpt, ckpt]).peak == 1400
-    assert optimise(chain, 2300) == ["plain", "plain"]
-    assert optimise(chain, 2299) == ["checkpoint", "plain"]
-    assert optimise(chain, 1300) == ["checkpoint", "plain"]
-    assert optimise(chain, 1299) is None
-    assert minimum_budget(chain) == 1300
+    # (a backward peak includes the block's incoming gradient)
+    # plain, plain: block 1's forward peaks at 1000 (block 0) + x1 + 1100; its backward at 1000 + 1000 + 200
+    assert replay(chain, [plain, plain]).peak == 2200
+    # checkpoint, plain: block 1's forward peaks at x1 + 1100; block 0's backward at 1200
+    assert replay(chain, [ckpt, plain]).peak == 1200
+    # plain, checkpoint: block 1 holds x1; its backward re-materialises 1200 on top of block 0's 1000 + x1
+    assert replay(chain, [plain, ckpt]).peak == 2300
+    assert replay(chain, [ckpt, ckpt]).peak == 1300
+    assert optimise(chain, 2200) == ["plain", "plain"]
+    assert optimise(chain, 2199) == ["checkpoint", "plain"]
+    assert optimise(chain, 1200) == ["checkpoint", "plain"]
+    assert optimise(chain, 1199) is None
+    assert minimum_budget(chain) == 1200
 
 
 # --- on real models ---------------------------------------------------------------------------------------------

@@ -9,7 +9,9 @@ A block under option o: its forward peaks ``forward_peak`` above its start (outp
 ``kept`` bytes alive besides its output (what it holds for backward; a checkpointed block: nothing); it keeps its
 input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive until block i's
 backward when block i saves it or block i + 1 saves it (``held``), else it is freed after block i + 1's forward.
-Its backward peaks ``backward_peak`` above the bytes alive when it starts (for a checkpointed block this includes
+Its backward peaks ``backward_peak`` above the bytes alive when it starts without its incoming gradient (which the
+measured peak includes: autograd frees it once used, so it is not alive through the whole backward; for a
+checkpointed block the peak includes
 re-materialising what its inner option keeps, which is why checkpointing combines with per-block savings: the
 inner option's bytes do not count during the forward pass, but they come back during that block's backward).
 Then it leaves its parameters' gradients and its input's gradient, and frees what it kept and its incoming
@@ -116,7 +118,8 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
     timeline.append(("loss and modules after the chain", base + live + chain.post_forward_peak))
     live += chain.post_bytes
     for i in range(n - 1, -1, -1):
-        timeline.append((f"backward {blocks[i].name}", base + live + choice[i].backward_peak))
+        # the incoming gradient (x_{i+1}'s size) is alive in ``live``; the measured backward peak includes it
+        timeline.append((f"backward {blocks[i].name}", base + live - blocks[i].output_bytes + choice[i].backward_peak))
         live += blocks[i].gradient_bytes - choice[i].kept - blocks[i].output_bytes
         if i > 0:
             live += blocks[i].input_bytes  # the gradient of x_i
@@ -144,7 +147,7 @@ def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: 
     blocks = chain.blocks
     out = blocks[i].output_bytes
     held = a.saves_output or b.saves_input
-    backward = a.kept + (out if held else 0) + chain.post_bytes + suffix[i] + out + a.backward_peak
+    backward = a.kept + (out if held else 0) + chain.post_bytes + suffix[i] + a.backward_peak
     forward = a.kept + out + b.forward_peak
     return max(backward, forward), a.kept + (out if held else 0)
 
@@ -152,7 +155,8 @@ def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: 
 def _terminal(chain: ChainCosts, a: OptionCost) -> int:
     """The events after the last block's forward, minus Q_{n-1}: the post-chain peak and the last block's backward."""
     exit_bytes = a.kept + chain.blocks[-1].output_bytes
-    return max(exit_bytes + chain.post_forward_peak, exit_bytes + chain.post_bytes + a.backward_peak)
+    last = chain.blocks[-1].output_bytes
+    return max(exit_bytes + chain.post_forward_peak, exit_bytes + chain.post_bytes - last + a.backward_peak)
 
 
 def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | None = None) -> list[str] | None:

@@ -168,6 +168,19 @@ def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (repr(block), parameters, shape(args), shape(kwargs), block.training)
 
 
+class _Seed(torch.autograd.Function):
+    """A scalar whose backward hands a gradient of ones to its input, owned by autograd alone."""
+
+    @staticmethod
+    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
+        ctx.shape, ctx.dtype, ctx.device = hidden.shape, hidden.dtype, hidden.device
+        return hidden.new_zeros(())
+
+    @staticmethod
+    def backward(ctx, _grad: torch.Tensor) -> torch.Tensor:
+        return torch.ones(ctx.shape, dtype=ctx.dtype, device=ctx.device)
+
+
 class _Measure:
     def __init__(self, bits: int, blpa_bits: int, offload_options: dict, repeats: int) -> None:
         self.bits, self.blpa_bits, self.offload_options, self.repeats = bits, blpa_bits, offload_options, repeats
@@ -208,11 +221,20 @@ class _Measure:
             forward_peak, after_forward = p.peak_bytes, p.live_bytes
             output_bytes = _nbytes(hidden)
             new_output = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
-            grad = torch.ones_like(hidden)
-            grad_bytes = _nbytes(grad)
+            saves_input, saves_output = saved.contains(inp), saved.contains(hidden)
+            # as inside the chain: the incoming gradient is owned by autograd alone (freed once used), and the
+            # output is alive only if the block saved it
+            seed = _Seed.apply(hidden)
+            del output, hidden
+            start = p.live_bytes
             p.reset_peak()
-            hidden.backward(grad)
-            backward_peak = p.peak_bytes - after_forward - grad_bytes
+            # the block's backward ends when the input's gradient exists; what follows here (the view's backward
+            # and accumulating into the leaf, which may copy) is an artefact of running the block alone
+            ends: list[int] = []
+            if inp.requires_grad:
+                inp.register_hook(lambda _grad: ends.append(p.peak_bytes))
+            seed.backward()
+            backward_peak = (ends[0] if ends else p.peak_bytes) - start
         if stats is not None:
             offloaded = stats.bytes
         techniques = parse_option(option)
@@ -224,9 +246,9 @@ class _Measure:
             "offloaded_bytes": offloaded,
         }
         checkpointed = "checkpoint" in techniques
-        saves_input = saved.contains(inp) or checkpointed  # a checkpoint holds its inputs for recomputation
-        saves_output = saved.contains(hidden) and not checkpointed
-        del output, hidden, grad, inp
+        saves_input = saves_input or checkpointed  # a checkpoint holds its inputs for recomputation
+        saves_output = saves_output and not checkpointed
+        del seed, inp
         times = []
         for _ in range(self.repeats):
             for parameter in module.parameters():
