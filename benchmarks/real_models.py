@@ -16,7 +16,7 @@ loss (mean of the last 10 steps), held-out loss (fixed held-out batches), bytes 
 model, and the activation modules only; ``fewbit_design.runtime.memory.saved_bytes``), median step time, and the
 relative error of the parameter gradient at initialisation against the exact (native) gradient on one batch.
 
-    python benchmarks/real_models.py                       # reduced default: 4 layers, width 128, seq 64, 100 steps
+    python benchmarks/real_models.py                       # reduced default: 4 layers, width 128, seq 64, 60 steps
     python benchmarks/real_models.py --width 256 --seq 128 --steps 600 --threads 2   # larger
     python benchmarks/real_models.py --quick               # smoke test (a few steps)
 
@@ -260,6 +260,32 @@ def plot(rows: list[dict], path: Path) -> None:
     figure.savefig(path, dpi=110)
 
 
+def run_model(kind: str, args, train: list, held_out: list) -> tuple[list[dict], set[str]]:
+    """Every variant of one model, as CSV rows with ratios against its native run (and the notes)."""
+    torch.set_num_threads(args.threads)
+    transformers.logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message=".*loss_type.*")
+    rows, notes, native = [], set(), None
+    for variant in args.variants.split(","):
+        result = run(kind, variant, args, train, held_out, notes)
+        native = native or result
+        row = {"model": kind, "variant": variant, **result}
+        row["final_loss_ratio"] = result["final_loss"] / native["final_loss"]
+        row["held_out_loss_ratio"] = result["held_out_loss"] / native["held_out_loss"]
+        row["saved_bytes_ratio"] = result["saved_bytes"] / native["saved_bytes"]
+        row["activation_bytes_ratio"] = result["activation_bytes"] / max(1, native["activation_bytes"])
+        row["step_time_ratio"] = result["step_seconds"] / native["step_seconds"]
+        rows.append(row)
+        print(
+            f"{kind:14s} {variant:10s} held-out {result['held_out_loss']:.4f} "
+            f"(x{row['held_out_loss_ratio']:.3f}) final x{row['final_loss_ratio']:.3f}  "
+            f"saved x{row['saved_bytes_ratio']:.3f} (activations x{row['activation_bytes_ratio']:.3f})  "
+            f"step x{row['step_time_ratio']:.2f}  grad err {result['grad_rel_error']:.4f}",
+            flush=True,
+        )
+    return rows, notes
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
@@ -268,7 +294,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches")
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--seed", type=int, default=0)
@@ -292,27 +319,19 @@ def main(argv: list[str] | None = None) -> None:
         f"corpus {data.numel()} bytes of stdlib source; {args.layers} layers, width {args.width}, seq {args.seq}, "
         f"batch {args.batch}, {args.steps} steps, {args.threads} threads"
     )
-    rows, notes = [], set()
     began = time.perf_counter()
-    for kind in args.models.split(","):
-        native = None
-        for variant in args.variants.split(","):
-            result = run(kind, variant, args, train, held_out, notes)
-            native = native or result
-            row = {"model": kind, "variant": variant, **result}
-            row["final_loss_ratio"] = result["final_loss"] / native["final_loss"]
-            row["held_out_loss_ratio"] = result["held_out_loss"] / native["held_out_loss"]
-            row["saved_bytes_ratio"] = result["saved_bytes"] / native["saved_bytes"]
-            row["activation_bytes_ratio"] = result["activation_bytes"] / max(1, native["activation_bytes"])
-            row["step_time_ratio"] = result["step_seconds"] / native["step_seconds"]
-            rows.append(row)
-            print(
-                f"{kind:14s} {variant:10s} held-out {result['held_out_loss']:.4f} "
-                f"(x{row['held_out_loss_ratio']:.3f}) final x{row['final_loss_ratio']:.3f}  "
-                f"saved x{row['saved_bytes_ratio']:.3f} (activations x{row['activation_bytes_ratio']:.3f})  "
-                f"step x{row['step_time_ratio']:.2f}  grad err {result['grad_rel_error']:.4f}",
-                flush=True,
+    kinds = args.models.split(",")
+    if args.jobs > 1:  # one process per model (each with --threads threads); ratios are taken within a process
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
+            outcomes = list(
+                pool.map(run_model, kinds, [args] * len(kinds), [train] * len(kinds), [held_out] * len(kinds))
             )
+    else:
+        outcomes = [run_model(kind, args, train, held_out) for kind in kinds]
+    rows = [row for model_rows, _ in outcomes for row in model_rows]
+    notes = set().union(*(model_notes for _, model_notes in outcomes))
     for note in sorted(notes):
         print(f"note: {note}")
     print(f"total {time.perf_counter() - began:.0f} s")

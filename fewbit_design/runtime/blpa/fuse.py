@@ -1,29 +1,76 @@
-"""``convert``: fuse the ``BatchNorm -> ReLU -> Conv2d/Linear`` groups of an existing model into BLPA units."""
+"""``convert``: fuse the ``BatchNorm -> ReLU -> Conv2d/Linear`` groups of an existing model into BLPA units.
+
+The groups are found in ``nn.Sequential`` containers, reading through the "chain" modules that run their children
+one after the other: Hugging Face's ``ResNetConvLayer`` (convolution -> normalization -> activation, looked at only
+when ``transformers`` is already imported). In a Hugging Face ResNet the BLPA pattern spans two such layers: the
+norm and ReLU of one ``ResNetConvLayer`` and the convolution of the next one in the same ``Sequential``; the fused
+unit takes the norm's place and the ReLU and the next convolution become ``nn.Identity``, so both layers' forwards
+still run in order. Runs that end a block (a ReLU after a residual sum, the stem's ReLU before max pooling) do not
+match the pattern and stay.
+"""
 
 from __future__ import annotations
+
+import logging
+import sys
+import warnings
+from dataclasses import dataclass, field
 
 from torch import nn
 
 from ...errors import FewBitError
 from .nn import BNReLUConv2d, BNReLULinear, _check_unit_bits, _FusedUnit
 
-__all__ = ["convert"]
+__all__ = ["convert", "FuseReport"]
+
+logger = logging.getLogger("fewbit_design.runtime.blpa")
 
 _PATTERNS: tuple[tuple[type, type, type[_FusedUnit]], ...] = (
     (nn.BatchNorm2d, nn.Conv2d, BNReLUConv2d),
     (nn.BatchNorm1d, nn.Linear, BNReLULinear),
 )
 
+# (library module, class name) -> the children a chain module runs in order
+_CHAINS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("transformers.models.resnet.modeling_resnet", "ResNetConvLayer"): ("convolution", "normalization", "activation"),
+}
 
-def convert(model: nn.Module, *, bits: int | None = 4, naive: bool = False, strict: bool = False) -> nn.Module:
+
+@dataclass
+class FuseReport:
+    """What :func:`convert` did: the fused runs (names of the norm, ReLU and op) and the runs left alone, why."""
+
+    fused: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)  # (norm name, reason)
+
+    def __str__(self) -> str:
+        lines = [f"fused {len(self.fused)} BatchNorm -> ReLU -> op run(s) into BLPA units"]
+        lines += [f"  left alone at {name!r}: {reason}" for name, reason in self.skipped]
+        return "\n".join(lines)
+
+
+def _chain_children(module: nn.Module) -> tuple[str, ...] | None:
+    cls = type(module)
+    for (library, name), children in _CHAINS.items():
+        imported = sys.modules.get(library)
+        if imported is not None and getattr(imported, name, None) is cls:
+            return children
+    return None
+
+
+def convert(
+    model: nn.Module, *, bits: int | None = 4, naive: bool = False, strict: bool = False, report: bool = False
+) -> nn.Module | tuple[nn.Module, FuseReport]:
     """Fuse every ``BatchNorm2d -> ReLU -> Conv2d`` and ``BatchNorm1d -> ReLU -> Linear`` run in ``nn.Sequential``
-    containers of ``model`` (recursively) into BLPA units; returns ``model`` (changed in place).
+    containers of ``model`` (recursively, through Hugging Face ``ResNetConvLayer`` chains) into BLPA units; returns
+    ``model`` (changed in place), or ``(model, FuseReport)`` with ``report=True``.
 
     The fused unit takes the place of the BatchNorm and reuses the original modules (parameters, running
     statistics and hyper-parameters are shared, so an optimizer built before ``convert`` keeps working); the ReLU and
     the Conv/Linear positions become ``nn.Identity`` so other indices stay valid. Runs that match by type but cannot
     be fused (affine=False, channel mismatch, padding_mode other than 'zeros') are left alone, or raise with
-    ``strict=True``.
+    ``strict=True``; ``strict=True`` also raises when nothing at all was fused, and without it a model where nothing
+    was fused gives a warning. The summary is logged (logger ``fewbit_design.runtime.blpa``, INFO).
 
     >>> seq = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 3))
     >>> [type(m).__name__ for m in convert(seq, bits=8)]
@@ -32,30 +79,61 @@ def convert(model: nn.Module, *, bits: int | None = 4, naive: bool = False, stri
     if not isinstance(model, nn.Module):
         raise FewBitError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
     bits = _check_unit_bits("convert", bits, naive)
-    for module in list(model.modules()):
+    result = FuseReport()
+    already = any(isinstance(module, _FusedUnit) for module in model.modules())
+    for name, module in list(model.named_modules()):
         if isinstance(module, nn.Sequential):
-            _fuse_sequential(module, bits, naive, strict)
-    return model
+            _fuse_sequential(module, name, bits, naive, strict, result)
+    logger.info("blpa.convert %s: %s", type(model).__name__, result)
+    if not result.fused and not already:
+        reasons = "; ".join(f"{name!r}: {reason}" for name, reason in result.skipped) or (
+            "no BatchNorm -> ReLU -> Conv2d/Linear run inside an nn.Sequential (BLPA fuses only that pattern)"
+        )
+        if strict:
+            raise FewBitError(f"blpa.convert(strict=True): nothing fused in {type(model).__name__}: {reasons}")
+        warnings.warn(f"blpa.convert: nothing fused in {type(model).__name__}: {reasons}", stacklevel=2)
+    return (model, result) if report else model
 
 
-def _fuse_sequential(seq: nn.Sequential, bits: int | None, naive: bool, strict: bool) -> None:
-    keys = list(seq._modules)
+def _slots(seq: nn.Sequential, prefix: str) -> list[tuple[nn.Module, str, str]]:
+    """(owner, attribute, qualified name) of every module the Sequential runs, in order, through chain modules."""
+    slots = []
+    for key, module in seq._modules.items():
+        name = f"{prefix}.{key}" if prefix else key
+        children = _chain_children(module)
+        if children is None:
+            slots.append((seq, key, name))
+        else:
+            slots += [(module, child, f"{name}.{child}") for child in children]
+    return slots
+
+
+def _fuse_sequential(seq: nn.Sequential, prefix: str, bits, naive: bool, strict: bool, result: FuseReport) -> None:
+    slots = _slots(seq, prefix)
     index = 0
-    while index + 2 < len(keys):
-        first, second, third = (seq._modules[key] for key in keys[index : index + 3])
+    while index + 2 < len(slots):
+        parts = [getattr(owner, attribute) for owner, attribute, _ in slots[index : index + 3]]
         unit = None
         for bn_type, op_type, unit_type in _PATTERNS:
-            if isinstance(first, bn_type) and isinstance(second, nn.ReLU) and isinstance(third, op_type):
+            if isinstance(parts[0], bn_type) and isinstance(parts[1], nn.ReLU) and isinstance(parts[2], op_type):
                 try:
-                    unit = unit_type.from_modules(first, second, third, bits=bits, naive=naive)
-                except FewBitError:
+                    unit = unit_type.from_modules(*parts, bits=bits, naive=naive)
+                except FewBitError as exc:
                     if strict:
                         raise
+                    result.skipped.append((slots[index][2], str(exc)))
                 break
         if unit is None:
             index += 1
             continue
-        seq._modules[keys[index]] = unit
-        seq._modules[keys[index + 1]] = nn.Identity()
-        seq._modules[keys[index + 2]] = nn.Identity()
+        (
+            (bn_owner, bn_attribute, bn_name),
+            (relu_owner, relu_attribute, relu_name),
+            (op_owner, op_attribute, op_name),
+        ) = slots[index : index + 3]
+        unit.train(parts[0].training)  # a new module starts in training mode; the model may be in eval mode
+        bn_owner._modules[bn_attribute] = unit
+        relu_owner._modules[relu_attribute] = nn.Identity()
+        op_owner._modules[op_attribute] = nn.Identity()
+        result.fused.append((bn_name, relu_name, op_name))
         index += 3
