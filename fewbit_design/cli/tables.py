@@ -131,16 +131,21 @@ def get_table(bound, bits: int, mode: str, kwargs: dict[str, Any]):
     In intervals mode an activation with an even derivative gets the symmetric design (as shipped).
     """
     from ..design import design
+    from ..design.activations import names as registry_names
     from ..table import load
     from ..tables import TABLES_DIR, TableSpec
 
     symmetric = mode == "intervals" and bound.even
     weight_name = _shipped_weight_name(kwargs)
-    if weight_name is not None and bound.params == bound.activation.bind().params:
-        spec = TableSpec(bound.name, bits, mode, symmetric, weight_name)
-        path = TABLES_DIR / spec.file
+    if weight_name is not None and bound.name in registry_names():
+        # torch's defaults, or a shipped variant (gelu approximate='tanh' in gelu_tanh/)
+        defaults = bound.activation.bind().params
+        variant = tuple(sorted((k, v) for k, v in bound.params.items() if v != defaults.get(k)))
+        path = TABLES_DIR / TableSpec(bound.name, bits, mode, symmetric, weight_name, variant).file
         if path.exists():
-            return load(path)
+            table = load(path)
+            if table.params == bound.params:
+                return table
     return design(bound, bits, mode=mode, symmetric=symmetric, **kwargs)
 
 
