@@ -79,7 +79,9 @@ def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int
     if "blpa" in techniques:
         from .. import blpa
 
-        block = blpa.convert(block, bits=blpa_bits)
+        with warnings.catch_warnings():  # "nothing fused": the planner then does not offer BLPA there
+            warnings.simplefilter("ignore", UserWarning)
+            block = blpa.convert(block, bits=blpa_bits)
     if "fewbit" in techniques:
         from ..fewbit.convert import convert
 
