@@ -42,6 +42,14 @@ DTYPES = [
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
+@pytest.fixture(autouse=True)
+def _release_idle_files():
+    """Each test starts and ends with no idle step files (they are kept per folder, and each test has its own)."""
+    offload.empty_cache()
+    yield
+    offload.empty_cache()
+
+
 def offload_threads():
     return [t for t in threading.enumerate() if t.name.startswith("fewbit-offload")]
 
@@ -67,8 +75,10 @@ def assert_nothing_left(directory, collect=True):
     for thread in offload_threads():
         thread.join(timeout=30)  # a liveness wait, not a timing claim: the thread ends when its queue is empty
     assert offload_threads() == []
-    assert open_offload_files() == []
     assert os.listdir(directory) == []
+    assert len(open_offload_files()) == disk.idle_files()  # every open file is an idle one, kept for reuse
+    offload.empty_cache()
+    assert open_offload_files() == []
 
 
 def random_bytes_tensor(shape, dtype, generator):
@@ -255,6 +265,35 @@ def test_small_tensors_parameters_and_leaves_stay(tmp_path):
     with offload.saved_tensors(target="disk", min_bytes=1 << 20, directory=tmp_path) as stats:
         torch.tanh(x * 2).sum().backward()
     assert stats.tensors == 0  # 2 KiB < min_bytes
+
+
+def test_files_are_reused_across_steps(tmp_path, monkeypatch):
+    created = []
+    create = disk.DiskTarget._create
+    monkeypatch.setattr(disk.DiskTarget, "_create", staticmethod(lambda folder: created.append(1) or create(folder)))
+    x = torch.randn(4096, requires_grad=True)
+    for _ in range(3):
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path):
+            loss = torch.tanh(torch.tanh(x * 1)).sum()
+        loss.backward()
+        del loss
+        assert disk.idle_files() == 1
+    assert len(created) == 1  # steps 2 and 3 overwrote the file of step 1
+    assert offload.empty_cache() >= 2 * 16384
+    assert_nothing_left(tmp_path)
+
+
+def test_a_file_that_failed_is_not_reused(tmp_path, monkeypatch):
+    def broken(fd, data, offset):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(disk, "_pwrite_all", broken)
+    x = torch.randn(4096, requires_grad=True)
+    with pytest.raises(FewBitError, match="Input/output error"):
+        with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path):
+            torch.tanh(torch.tanh(x * 1)).sum()
+    assert disk.idle_files() == 0
+    assert_nothing_left(tmp_path)
 
 
 def test_memory_is_released_after_pack(tmp_path):
@@ -557,10 +596,11 @@ def test_apply_exception_in_forward(tmp_path):
 
 def test_apply_evaluation_opens_no_file(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
-    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)
+    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)  # probes: one idle file
+    assert len(open_offload_files()) == disk.idle_files() == 1
     with torch.no_grad():
         model(torch.randn(4, 16))
-        assert open_offload_files() == []
+        assert disk.idle_files() == 1  # not taken: no step began
     handle.remove()
 
 

@@ -132,6 +132,8 @@ def saved_tensors(
 
     The step's file or pinned buffers are released when autograd frees the graph (after backward, or when the
     output is dropped without backward), or at once when the block raises (its graph can then not run backward).
+    Released files and pinned buffers are kept for the next step (unlinked files, at most two per folder);
+    :func:`empty_cache` gives them back.
     """
     return _Region(_Options(target, min_bytes, prefetch, max_host_bytes, directory).session())
 
@@ -286,9 +288,13 @@ def apply(
 
 
 def empty_cache() -> int:
-    """Free the idle pinned host buffers kept for reuse (CUDA target); return the bytes freed."""
-    if not torch.cuda.is_available():
-        return 0
-    from .cuda import empty_cache as _empty
+    """Release what is kept for reuse between steps: the idle step files of the disk target (their space returns
+    to the file system) and the idle pinned buffers of the CUDA target. Returns the bytes released."""
+    from .disk import empty_cache as _empty_files
 
-    return _empty()
+    released = _empty_files()
+    if torch.cuda.is_available():
+        from .cuda import empty_cache as _empty_pinned
+
+        released += _empty_pinned()
+    return released
