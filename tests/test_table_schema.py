@@ -225,7 +225,11 @@ BROKEN = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "where"), BROKEN, ids=[f"{f}={v!r}"[:40] for f, v, _ in BROKEN])
+@pytest.mark.parametrize(
+    ("field", "value", "where"),
+    BROKEN,
+    ids=[f"{f}=deleted" if v is _DELETE else f"{f}={v!r}"[:40] for f, v, _ in BROKEN],
+)
 def test_broken_tables_are_rejected_naming_the_field(schema, field, value, where):
     assert validate(_base(), schema) == []
     errors = validate(_set(_base(), field, value), schema)

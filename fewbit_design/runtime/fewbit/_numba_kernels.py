@@ -114,11 +114,14 @@ def _make_quantize_pack_lut32_branchless(bits: int):
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             base = chunk * _2
+            # 8 bits: one code per byte, written in place (no buffer, no packing); BITS is a compile-time constant
+            target = out[chunk : chunk + count] if BITS == _8 else buffer
             for i in range(count):
                 entry = _u64(lut[_u64(x_halves[base + _2 * i + _1])])
                 above = _u64(_u64(x_halves[base + _2 * i]) >= (entry >> _16))
-                buffer[i] = _u8((((entry >> _8) & _FF) * above) | ((entry & _FF) * (_1 - above)))
-            _pack_buffer(buffer, count, BITS, out, chunk // _8)
+                target[i] = _u8((((entry >> _8) & _FF) * above) | ((entry & _FF) * (_1 - above)))
+            if BITS != _8:
+                _pack_buffer(buffer, count, BITS, out, chunk // _8)
 
     return quantize_pack_lut32_branchless
 
