@@ -49,13 +49,13 @@ def test_perturbed_designs_are_the_same_table(kind, baseline):
 
 
 def test_measured_spread_is_far_inside_the_tolerances():
-    # The tolerances are chosen 100x (or more) above what a perturbation moves; re-measure on two specs.
+    # The objective tolerance sits far above what a perturbation moves the error (measured over every activation:
+    # 5.9e-13 relative at most), and no pinned value moves more than 1/10 of what it may; re-measure on two specs.
     worst = spread(SPECS[1:3], kinds=("quadrature", "grid"))
     for kind, distances in worst.items():
         assert distances["structure"] == 0, kind
-        assert distances["error"] <= same.OBJECTIVE_RTOL / 100, (kind, distances)
-        assert distances["boundary"] <= same.BOUNDARY_RTOL / 100, (kind, distances)
-        assert distances["level"] <= same.LEVEL_RTOL / 100, (kind, distances)
+        assert distances["error"] <= same.OBJECTIVE_RTOL / 1000, (kind, distances)
+        assert distances["of_tolerance"] <= 0.1, (kind, distances)
 
 
 def test_one_thread_in_a_subprocess_is_the_same_table(baseline):

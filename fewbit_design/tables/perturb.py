@@ -11,7 +11,8 @@ Another machine differs from this one in the last bits of floating point: librar
 
 :func:`spread` designs specs with and without a perturbation and returns the largest differences that
 :mod:`.same` tolerates: relative error difference, pinned boundary distance / span, pinned level distance / spread
-of f'. ``python -m fewbit_design.tables.perturb [--activation NAME ...] [--bits 1,3,8]`` prints them.
+of f', and the largest pinned move as a fraction of the move :mod:`.same` allows it.
+``python -m fewbit_design.tables.perturb [--activation NAME ...] [--bits 1,3,8]`` prints them.
 """
 
 from __future__ import annotations
@@ -95,7 +96,7 @@ def _distances(base: Table, other: Table) -> dict[str, float]:
     from . import same
 
     context = same.Context(base)
-    result = {"error": 0.0, "boundary": 0.0, "level": 0.0, "structure": 0.0}
+    result = {"error": 0.0, "boundary": 0.0, "level": 0.0, "structure": 0.0, "of_tolerance": 0.0}
     if len(base.boundaries) != len(other.boundaries) or not np.array_equal(base.codes, other.codes):
         result["structure"] = 1.0
         return result
@@ -104,12 +105,16 @@ def _distances(base: Table, other: Table) -> dict[str, float]:
     own = context.error(base)
     budget = same.OBJECTIVE_RTOL * own + same.ERROR_ATOL * context.signal
     for i, (a, b) in enumerate(zip(base.boundaries, other.boundaries, strict=True)):
-        if 0.5 * context.curvature(base, i) * (same.UNIQUE * context.span) ** 2 > budget:
+        tolerance = same.boundary_tolerance(context, context.curvature(base, i), budget)
+        if tolerance is not None:
             result["boundary"] = max(result["boundary"], abs(a - b) / context.span)
+            result["of_tolerance"] = max(result["of_tolerance"], abs(a - b) / tolerance)
     masses = context.masses(base)
     for c, (a, b) in enumerate(zip(base.levels, other.levels, strict=True)):
-        if masses[c] * (same.UNIQUE * context.df_spread) ** 2 > budget:
+        tolerance = same.level_tolerance(context, float(masses[c]), budget)
+        if tolerance is not None:
             result["level"] = max(result["level"], abs(a - b) / context.df_spread)
+            result["of_tolerance"] = max(result["of_tolerance"], abs(a - b) / tolerance)
     return result
 
 
@@ -118,7 +123,7 @@ def spread(specs: Sequence[TableSpec], kinds: Sequence[str] = ("quadrature", "gr
     base = {spec: spec.design() for spec in specs}
     out: dict[str, dict[str, float]] = {}
     for kind in kinds:
-        worst = {"error": 0.0, "boundary": 0.0, "level": 0.0, "structure": 0.0}
+        worst = {"error": 0.0, "boundary": 0.0, "level": 0.0, "structure": 0.0, "of_tolerance": 0.0}
         for spec in specs:
             if kind in ("quadrature", "grid"):
                 with perturbed(kind):
@@ -155,7 +160,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             rows.append((spec.file, kind, worst))
             print(
                 f"{spec.file:50s} {kind:10s} error {worst['error']:.2e} boundary/span {worst['boundary']:.2e} "
-                f"level/spread {worst['level']:.2e} structure {'differs' if worst['structure'] else 'same'}",
+                f"level/spread {worst['level']:.2e} of tolerance {worst['of_tolerance']:.2e} "
+                f"structure {'differs' if worst['structure'] else 'same'}",
                 flush=True,
             )
     for kind in kinds:
@@ -163,12 +169,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(
             f"MAX {kind:10s} error {max(w['error'] for w in mine):.2e} "
             f"boundary/span {max(w['boundary'] for w in mine):.2e} level/spread {max(w['level'] for w in mine):.2e} "
+            f"of tolerance {max(w['of_tolerance'] for w in mine):.2e} "
             f"structure differs {sum(w['structure'] > 0 for w in mine)}/{len(mine)}"
         )
     if args.csv:
-        lines = ["file,kind,error_rel,boundary_over_span,level_over_spread,structure_differs"]
+        lines = ["file,kind,error_rel,boundary_over_span,level_over_spread,of_tolerance,structure_differs"]
         lines += [
-            f"{f},{k},{w['error']:.3e},{w['boundary']:.3e},{w['level']:.3e},{int(w['structure'] > 0)}"
+            f"{f},{k},{w['error']:.3e},{w['boundary']:.3e},{w['level']:.3e},{w['of_tolerance']:.3e},"
+            f"{int(w['structure'] > 0)}"
             for f, k, w in rows
         ]
         with open(args.csv, "w", encoding="utf-8") as handle:

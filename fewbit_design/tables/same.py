@@ -16,12 +16,15 @@ land elsewhere. A shipped table S is the same as a fresh design F of its spec wh
    2 w(t) |y_right - y_left| |f''(t)| for a boundary and 2 x its region's mass for a level). A boundary between two
    equal levels, in a flat run of f' or where the weight vanishes is not pinned, and is not compared. Boundaries
    marked exact (kinks, see :mod:`fewbit_design.design.canonical`) are compared bitwise: they are a pure lookup
-   of the kink and its float neighbour. Tolerances:
+   of the kink and its float neighbour. A pinned value may differ by the displacement the objective cannot see,
+   sqrt(2 x budget / L'') with budget = ``OBJECTIVE_RTOL`` of the error, and never by less than a floor:
    ``BOUNDARY_RTOL`` times the weight's span (absolute, so a boundary near zero is not compared relatively) and
-   ``LEVEL_RTOL`` times the spread of f' over the range.
+   ``LEVEL_RTOL`` times the spread of f' over the range. A value that moved further changes the error by more than
+   the objective tolerance on its own: that is a different table.
 
-The tolerances are 100x the largest difference measured between designs perturbed the way another machine differs
-(docs/notes/tables.md; tests/test_table_sameness.py re-measures them).
+Every number comes from the objective tolerance, and that sits far above the largest difference measured between
+designs perturbed the way another machine differs (docs/notes/tables.md; tests/test_table_sameness.py re-measures
+it).
 """
 
 from __future__ import annotations
@@ -40,6 +43,8 @@ __all__ = [
     "ERROR_ATOL",
     "BOUNDARY_RTOL",
     "LEVEL_RTOL",
+    "boundary_tolerance",
+    "level_tolerance",
     "Context",
     "differences",
 ]
@@ -52,9 +57,9 @@ ERROR_RTOL = 1e-9
 ERROR_ATOL = 1e-13
 #: A value is pinned when a displacement of this fraction of its scale is visible to the objective tolerance.
 UNIQUE = 1e-3
-#: Pinned boundaries: within this times the weight's span (high - low), absolute.
+#: Pinned boundaries never need to agree closer than this times the weight's span (high - low), absolute.
 BOUNDARY_RTOL = 1e-6
-#: Pinned levels: within this times the spread of f' over the range (max - min), absolute.
+#: Pinned levels never need to agree closer than this times the spread of f' over the range (max - min), absolute.
 LEVEL_RTOL = 1e-7
 
 
@@ -111,6 +116,25 @@ class Context:
         return 2.0 * float(self.weight(np.array([t]))[0]) * abs(y_right - y_left) * abs(slope)
 
 
+def _allowed(curvature: float, budget: float, scale: float, floor: float) -> float | None:
+    """The move a value may make: None where the optimum does not pin it, else max(floor, sqrt(2 budget / L''))."""
+    if not 0.5 * curvature * (UNIQUE * scale) ** 2 > budget:
+        return None  # not pinned: a move of UNIQUE x scale is invisible to the objective
+    if math.isinf(curvature):
+        return floor
+    return max(floor, math.sqrt(2.0 * budget / curvature))
+
+
+def boundary_tolerance(context: Context, curvature: float, budget: float) -> float | None:
+    """How far a boundary with d2L/dt2 = ``curvature`` may move (None: not pinned, not compared)."""
+    return _allowed(curvature, budget, context.span, BOUNDARY_RTOL * context.span)
+
+
+def level_tolerance(context: Context, mass: float, budget: float) -> float | None:
+    """How far a level whose region has weight ``mass`` may move (L'' = 2 x mass; None: not pinned)."""
+    return _allowed(2.0 * mass, budget, context.df_spread, LEVEL_RTOL * context.df_spread)
+
+
 def _exact(table: Table, field: str) -> set[int]:
     exact = table.design.get("exact") if isinstance(table.design.get("exact"), dict) else {}
     return {int(i) for i in exact.get(field, ())}
@@ -154,29 +178,29 @@ def differences(shipped: Table, fresh: Table | None, context: Context | None = N
         )
     budget = OBJECTIVE_RTOL * own + floor  # an error change this small is invisible to the objective
     exact_shipped, exact_fresh = _exact(shipped, "boundaries"), _exact(fresh, "boundaries")
-    tolerance = BOUNDARY_RTOL * context.span
     for i, (s, f) in enumerate(zip(shipped.boundaries.tolist(), fresh.boundaries.tolist(), strict=True)):
         if i in exact_shipped or i in exact_fresh:
             if s != f:  # a kink or its float neighbour: a lookup, identical on every machine
                 problems.append(f"field 'boundaries[{i}]' is {s!r}, recomputed {f!r} (a kink: must be identical)")
             continue
-        if abs(s - f) <= tolerance:
+        if abs(s - f) <= BOUNDARY_RTOL * context.span:
             continue
-        if 0.5 * context.curvature(shipped, i) * (UNIQUE * context.span) ** 2 > budget:
+        tolerance = boundary_tolerance(context, context.curvature(shipped, i), budget)
+        if tolerance is not None and abs(s - f) > tolerance:
             problems.append(
-                f"field 'boundaries[{i}]' is {s!r}, recomputed {f!r} (beyond {tolerance:.3g} = "
-                f"{BOUNDARY_RTOL:g} x span; the optimum pins it)"
+                f"field 'boundaries[{i}]' is {s!r}, recomputed {f!r} (beyond {tolerance:.3g}, the move the objective "
+                f"tolerance {OBJECTIVE_RTOL:g} allows; the optimum pins it)"
             )
-    tolerance = LEVEL_RTOL * context.df_spread
     masses = None
     for c, (s, f) in enumerate(zip(shipped.levels.tolist(), fresh.levels.tolist(), strict=True)):
-        if abs(s - f) <= tolerance:
+        if abs(s - f) <= LEVEL_RTOL * context.df_spread:
             continue
         masses = context.masses(shipped) if masses is None else masses
-        if masses[c] * (UNIQUE * context.df_spread) ** 2 > budget:
+        tolerance = level_tolerance(context, float(masses[c]), budget)
+        if tolerance is not None and abs(s - f) > tolerance:
             problems.append(
-                f"field 'levels[{c}]' is {s!r}, recomputed {f!r} (beyond {tolerance:.3g} = "
-                f"{LEVEL_RTOL:g} x spread of f'; the optimum pins it)"
+                f"field 'levels[{c}]' is {s!r}, recomputed {f!r} (beyond {tolerance:.3g}, the move the objective "
+                f"tolerance {OBJECTIVE_RTOL:g} allows; the optimum pins it)"
             )
     return problems
 

@@ -38,25 +38,10 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
-from .model import ChainCosts, minimum_budget, optimise, replay
-from .plan import FORMAT, MemoryPlan, format_bytes, load_plan
-from .techniques import TECHNIQUES, parse_option
+from .plan import FORMAT, OBJECTIVES, MemoryPlan, choose, format_bytes, load_plan
+from .techniques import TECHNIQUES
 
 __all__ = ["plan_memory", "load_plan", "MemoryPlan", "TECHNIQUES", "OBJECTIVES", "FORMAT", "format_bytes"]
-
-OBJECTIVES = ("time", "memory")
-
-
-def _budget(budget: Any, plain_peak: int, minimum: int) -> int:
-    if isinstance(budget, float) and not isinstance(budget, bool):
-        if not 0 < budget <= 1:
-            raise FewBitError(f"a budget given as a fraction of the unconverted peak must be in (0, 1], got {budget}")
-        return max(int(budget * plain_peak), 1)
-    if isinstance(budget, str) and budget.strip().lower() == "min":
-        return minimum
-    from ..checkpoint import parse_budget
-
-    return parse_budget(budget)
 
 
 def plan_memory(
@@ -131,7 +116,7 @@ def plan_memory(
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
     settings = {"allow": allow, "bits": bits, "blpa_bits": blpa_bits, "objective": objective, "offload": offload}
-    return _choose(
+    return choose(
         chain_name,
         costs,
         facts,
@@ -140,47 +125,4 @@ def plan_memory(
         settings=settings,
         budget=budget,
         allow=allow,
-    )
-
-
-def _choose(
-    chain_name: str,
-    costs: ChainCosts,
-    facts: dict[str, Any],
-    *,
-    baseline: int,
-    step_seconds: float,
-    settings: dict[str, Any],
-    budget: Any,
-    allow: Any,
-) -> MemoryPlan:
-    """Optimise over a profile: the options of each block whose techniques are all in ``allow``."""
-    if isinstance(allow, str):
-        allow = (allow,)
-    allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
-    objective = check_choice("objective", settings["objective"], OBJECTIVES)
-    allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
-    plain = replay(costs, [b.option("plain") for b in costs.blocks]).peak
-    smallest = minimum_budget(costs, allowed)
-    if objective == "memory" or budget is None:
-        target = plain if budget is None and objective == "time" else smallest
-    else:
-        target = _budget(budget, baseline + plain, baseline + smallest) - baseline
-    choices = optimise(costs, target, allowed)
-    if choices is None:
-        raise FewBitError(
-            f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
-            f"the smallest feasible peak is {format_bytes(smallest + baseline)} (unconverted: "
-            f"{format_bytes(plain + baseline)})"
-        )
-    facts = {**facts, "minimum_budget_bytes": smallest + baseline}
-    return MemoryPlan(
-        chain=chain_name,
-        choices=tuple(choices),
-        costs=costs,
-        budget_bytes=target + baseline,
-        baseline_bytes=baseline,
-        step_seconds=step_seconds,
-        settings={**settings, "allow": allow},
-        facts=facts,
     )

@@ -13,12 +13,12 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError
+from ...errors import FewBitError, check_choice
 from .. import memory
-from .model import BlockCosts, ChainCosts, OptionCost, replay
-from .techniques import apply_option, parse_option
+from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
+from .techniques import TECHNIQUES, apply_option, parse_option
 
-__all__ = ["MemoryPlan", "load_plan", "format_bytes", "FORMAT"]
+__all__ = ["MemoryPlan", "load_plan", "choose", "format_bytes", "FORMAT", "OBJECTIVES"]
 
 FORMAT = "fewbit-memory-plan/1"
 APPROXIMATE = ("fewbit", "blpa")  # techniques that change gradients
@@ -124,10 +124,8 @@ class MemoryPlan:
         """A new plan from this plan's profile (no model run): another ``budget`` (as in ``plan_memory``), a subset
         of the profiled techniques (``allow``), or another ``objective``. Raises :class:`FewBitError` when nothing
         fits."""
-        from . import _choose
-
         allow = tuple(self.settings["allow"]) if allow is None else allow
-        return _choose(
+        return choose(
             self.chain,
             self.costs,
             dict(self.facts),
@@ -371,3 +369,61 @@ def load_plan(path: str | os.PathLike) -> MemoryPlan:
         return MemoryPlan.from_dict(data)
     except FewBitError as error:
         raise FewBitError(f"memory plan {os.fspath(path)!r}: {error}") from None
+
+
+OBJECTIVES = ("time", "memory")
+
+
+def _budget(budget: Any, plain_peak: int, minimum: int) -> int:
+    if isinstance(budget, float) and not isinstance(budget, bool):
+        if not 0 < budget <= 1:
+            raise FewBitError(f"a budget given as a fraction of the unconverted peak must be in (0, 1], got {budget}")
+        return max(int(budget * plain_peak), 1)
+    if isinstance(budget, str) and budget.strip().lower() == "min":
+        return minimum
+    from ..checkpoint import parse_budget
+
+    return parse_budget(budget)
+
+
+def choose(
+    chain_name: str,
+    costs: ChainCosts,
+    facts: dict[str, Any],
+    *,
+    baseline: int,
+    step_seconds: float,
+    settings: dict[str, Any],
+    budget: Any,
+    allow: Any,
+) -> MemoryPlan:
+    """Optimise over a profile: the options of each block whose techniques are all in ``allow``."""
+    if isinstance(allow, str):
+        allow = (allow,)
+    allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
+    objective = check_choice("objective", settings["objective"], OBJECTIVES)
+    allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
+    plain = replay(costs, [b.option("plain") for b in costs.blocks]).peak
+    smallest = minimum_budget(costs, allowed)
+    if objective == "memory" or budget is None:
+        target = plain if budget is None and objective == "time" else smallest
+    else:
+        target = _budget(budget, baseline + plain, baseline + smallest) - baseline
+    choices = optimise(costs, target, allowed)
+    if choices is None:
+        raise FewBitError(
+            f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
+            f"the smallest feasible peak is {format_bytes(smallest + baseline)} (unconverted: "
+            f"{format_bytes(plain + baseline)})"
+        )
+    facts = {**facts, "minimum_budget_bytes": smallest + baseline}
+    return MemoryPlan(
+        chain=chain_name,
+        choices=tuple(choices),
+        costs=costs,
+        budget_bytes=target + baseline,
+        baseline_bytes=baseline,
+        step_seconds=step_seconds,
+        settings={**settings, "allow": allow},
+        facts=facts,
+    )
