@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +23,18 @@ import numpy as np
 
 from .errors import FewBitError
 
-__all__ = ["FORMAT", "MODES", "Table", "load", "loads", "format_float"]
+__all__ = [
+    "FORMAT",
+    "MODES",
+    "Table",
+    "load",
+    "loads",
+    "format_float",
+    "read_table_text",
+    "check_numbers",
+    "MAX_TABLE_BYTES",
+    "MAX_NESTING",
+]
 
 FORMAT = "fewbit-table/1"
 MODES = ("levelsets", "intervals")
@@ -218,24 +230,87 @@ def _validate(table: Table, source: str | None) -> None:
 
 
 def loads(text: str, source: str | None = None) -> Table:
-    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval)."""
+    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval), within :data:`MAX_NESTING`."""
+    depth = _nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise FewBitError(
+            f"table {source!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
+            "(a table nests 3 deep): not a table"
+        )
     try:
         data = json.loads(text)
     except json.JSONDecodeError as exc:
         raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    check_numbers(data, source)
     return Table.from_dict(data, source=source)
 
 
 def load(path: str | os.PathLike) -> Table:
-    """Load and validate a table file; a bad file raises one :class:`FewBitError` naming the file and field."""
+    """Load and validate a table file; a bad file raises one :class:`FewBitError` naming the file and field.
+
+    The file's size and JSON nesting are bounded before it is parsed (:func:`read_table_text`)."""
+    return loads(read_table_text(path), source=str(Path(path)))
+
+
+# Bounds checked before a table file is parsed (by the design side and the runtime alike). The largest shipped table
+# (8 bits, 510 boundaries) is 18 KB and nests 3 deep (object -> params / weight / design -> values); a table file
+# 200x larger or 10x deeper is not a table, and Python's JSON decoder recurses once per level (10**5 brackets raise
+# RecursionError).
+MAX_TABLE_BYTES = 4 * 1024 * 1024
+MAX_NESTING = 32
+_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a JSON string literal (its brackets are not nesting)
+
+
+def _nesting_depth(text: str) -> int:
+    """The deepest nesting of JSON arrays / objects in ``text`` (brackets inside strings do not count)."""
+    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
+    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)) - np.isin(brackets, (ord("]"), ord("}")))
+    return int(np.cumsum(steps).max(initial=0))
+
+
+def read_table_text(path: str | os.PathLike) -> str:
+    """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing."""
     path = Path(path)
     try:
-        text = path.read_text(encoding="utf-8")
+        size = path.stat().st_size
+        if size > MAX_TABLE_BYTES:
+            raise FewBitError(
+                f"table file {str(path)!r}: file size {size} bytes exceeds the limit of {MAX_TABLE_BYTES} bytes "
+                "(the largest shipped table is under 20 KB): not a table file"
+            )
+        with path.open("rb") as handle:
+            data = handle.read(MAX_TABLE_BYTES + 1)
+        text = data.decode("utf-8")
     except FileNotFoundError:
         raise FewBitError(f"table file {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
         raise FewBitError(f"table file {str(path)!r} cannot be read: {exc}") from None
-    return loads(text, source=str(path))
+    if len(data) > MAX_TABLE_BYTES:
+        raise FewBitError(f"table file {str(path)!r}: file size exceeds the limit of {MAX_TABLE_BYTES} bytes")
+    depth = _nesting_depth(text)
+    if depth > MAX_NESTING:
+        raise FewBitError(
+            f"table file {str(path)!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
+            "(a table nests 3 deep): not a table file"
+        )
+    return text
+
+
+def check_numbers(data: Any, source: str) -> None:
+    """Every number of the numeric fields converts to a float (JSON integers like 10**400 do not: OverflowError)."""
+    if not isinstance(data, dict):
+        return
+    for name in ("boundaries", "codes", "levels", "error", "snr_db"):
+        value = data.get(name)
+        for item in value if isinstance(value, list) else [value]:
+            if isinstance(item, int) and not isinstance(item, bool):
+                try:
+                    float(item)
+                except OverflowError:
+                    raise FewBitError(
+                        f"table {source!r}: field {name!r} holds the integer {str(item)[:20]}... "
+                        f"({len(str(item))} digits), beyond the float range"
+                    ) from None
 
 
 def check_writable(path: str | os.PathLike, *, force: bool = False) -> Path:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from fewbit_design.errors import FewBitError
-from fewbit_design.table import Table, format_float, load, loads
+from fewbit_design.table import MAX_TABLE_BYTES, Table, format_float, load, loads
 
 UNIFORM = {"kind": "uniform", "low": -10.0, "high": 10.0}
 
@@ -145,3 +145,43 @@ def test_written_files_get_ordinary_permissions(tmp_path):
     finally:
         os.umask(old)
     assert path.stat().st_mode & 0o777 == 0o644
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# The design side reads table files with the runtime's bounds (issue 16.3): before the loader was shared, a 10**5-deep
+# file raised RecursionError and a 401-digit integer OverflowError from fewbit_design.load.
+
+
+def _relu_document(**overrides):
+    document = {
+        "format": "fewbit-table/1", "activation": "relu", "params": {}, "bits": 1, "mode": "levelsets",
+        "symmetric": False, "weight": {"kind": "uniform", "low": -10.0, "high": 10.0},
+        "boundaries": [5e-324], "codes": [0, 1], "levels": [0.0, 1.0], "error": 0.0, "snr_db": None,
+    }  # fmt: skip
+    document.update(overrides)
+    return document
+
+
+def test_design_loader_bounds_nesting_before_parsing(tmp_path):
+    path = tmp_path / "nested.json"
+    path.write_text("[" * 100_000 + "]" * 100_000)
+    with pytest.raises(FewBitError, match=r"nested\.json.*nesting depth 100000 exceeds the limit of 32"):
+        load(path)
+
+
+def test_design_loader_bounds_file_size(tmp_path):
+    path = tmp_path / "big.json"
+    path.write_text(" " * (MAX_TABLE_BYTES + 1))
+    with pytest.raises(FewBitError, match=r"big\.json.*file size .* exceeds the limit"):
+        load(path)
+
+
+@pytest.mark.parametrize("field", ["boundaries", "levels", "error"])
+def test_design_loader_names_an_integer_beyond_the_float_range(field, tmp_path):
+    document = _relu_document()
+    document[field] = [10**400, 1.0] if isinstance(document[field], list) else 10**400
+    path = tmp_path / "huge.json"
+    path.write_text(json.dumps(document))
+    with pytest.raises(FewBitError, match=f"field '{field}' holds the integer"):
+        load(path)
+    assert loads(json.dumps(_relu_document()), "ok").activation == "relu"  # the unbroken document loads

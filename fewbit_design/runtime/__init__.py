@@ -1,4 +1,5 @@
-"""PyTorch runtime: few-bit activations that load design tables, BLPA, reversible layers, memory accounting.
+"""PyTorch runtime: few-bit activations that load design tables, BLPA, reversible layers, checkpointing, offloading,
+a planner that combines them, and memory accounting.
 
 Where things are (one folder per technique, each with its module API, functional API and kernels):
 
@@ -6,7 +7,10 @@ Where things are (one folder per technique, each with its module API, functional
   :mod:`.nn`, :mod:`.functional`, :mod:`.convert` and :mod:`.tables` are its documented paths.
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
-* :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward).
+* :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
+* :mod:`.offload`: saved-tensor offloading to disk (CPU) or pinned host memory (CUDA).
+* :mod:`.planner`: :func:`plan_memory`, which combines the techniques under a memory budget.
+* :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward, peak of live bytes).
 * :mod:`._packing` and :mod:`._numba_packing`: bit packing shared by the kernels of every technique.
 
 The runtime imports torch, numba lazily (CPU kernels), triton lazily (CUDA kernels), and from the design side only
@@ -32,7 +36,19 @@ except ModuleNotFoundError as error:
         name="torch",
     ) from error
 
-_SUBMODULES = ("fewbit", "nn", "functional", "convert", "tables", "memory", "blpa", "reversible")
+_SUBMODULES = (
+    "fewbit",
+    "nn",
+    "functional",
+    "convert",
+    "tables",
+    "memory",
+    "blpa",
+    "reversible",
+    "checkpoint",
+    "offload",
+    "planner",
+)
 # name -> (absolute module, attribute or None for the module itself); see fewbit_design._lazy
 _LAZY_ATTRIBUTES: dict[str, tuple[str, str | None]] = {name: (f"{__name__}.{name}", None) for name in _SUBMODULES}
 

@@ -19,7 +19,6 @@ import functools
 import json
 import math
 import os
-import re
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,7 @@ import numpy as np
 
 from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice
-from ...table import MODES, Table
+from ...table import MAX_NESTING, MAX_TABLE_BYTES, MODES, Table, check_numbers, loads, read_table_text
 
 __all__ = [
     "INDEX_FORMAT",
@@ -52,77 +51,9 @@ TABLES_ENV = "FEWBIT_TABLES_DIR"
 WEIGHTS = ("uniform", "normal")
 _PACKAGE_TABLES = Path(__file__).resolve().parents[2] / "tables"
 
-# Bounds checked before a table file is parsed (issue 16.3). The largest shipped table (8 bits, 510 boundaries) is
-# 18 KB and nests 3 deep (object -> params / weight / design -> values); a table file 200x larger or 10x deeper is
-# not a table, and Python's JSON decoder recurses once per level (10**5 brackets raise RecursionError).
-MAX_TABLE_BYTES = 4 * 1024 * 1024
-MAX_NESTING = 32
-_JSON_STRING = re.compile(r'"(?:[^"\\]|\\.)*"')  # a JSON string literal (its brackets are not nesting)
-
-
-def _nesting_depth(text: str) -> int:
-    """The deepest nesting of JSON arrays / objects in ``text`` (brackets inside strings do not count)."""
-    brackets = np.frombuffer(_JSON_STRING.sub("", text).encode("utf-8", "replace"), dtype=np.uint8)
-    steps = (np.isin(brackets, (ord("["), ord("{"))).astype(np.int64)) - np.isin(brackets, (ord("]"), ord("}")))
-    return int(np.cumsum(steps).max(initial=0))
-
-
-def read_table_text(path: str | os.PathLike) -> str:
-    """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing."""
-    path = Path(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_TABLE_BYTES:
-            raise FewBitError(
-                f"table file {str(path)!r}: file size {size} bytes exceeds the limit of {MAX_TABLE_BYTES} bytes "
-                "(the largest shipped table is under 20 KB): not a table file"
-            )
-        with path.open("rb") as handle:
-            data = handle.read(MAX_TABLE_BYTES + 1)
-        text = data.decode("utf-8")
-    except FileNotFoundError:
-        raise FewBitError(f"table file {str(path)!r} does not exist") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise FewBitError(f"table file {str(path)!r} cannot be read: {exc}") from None
-    if len(data) > MAX_TABLE_BYTES:
-        raise FewBitError(f"table file {str(path)!r}: file size exceeds the limit of {MAX_TABLE_BYTES} bytes")
-    depth = _nesting_depth(text)
-    if depth > MAX_NESTING:
-        raise FewBitError(
-            f"table file {str(path)!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
-            "(a table nests 3 deep): not a table file"
-        )
-    return text
-
-
-def _check_numbers(data: Any, source: str) -> None:
-    """Every number of the numeric fields converts to a float (JSON integers like 10**400 do not: OverflowError)."""
-    if not isinstance(data, dict):
-        return
-    for name in ("boundaries", "codes", "levels", "error", "snr_db"):
-        value = data.get(name)
-        for item in value if isinstance(value, list) else [value]:
-            if isinstance(item, int) and not isinstance(item, bool):
-                try:
-                    float(item)
-                except OverflowError:
-                    raise FewBitError(
-                        f"table {source!r}: field {name!r} holds the integer {str(item)[:20]}... "
-                        f"({len(str(item))} digits), beyond the float range"
-                    ) from None
-
-
-def _from_text(text: str, source: str) -> Table:
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    _check_numbers(data, source)
-    return Table.from_dict(data, source=source)
-
 
 def _load_path(path: str | os.PathLike) -> Table:
-    return check_kernel_table(_from_text(read_table_text(path), str(path)))
+    return check_kernel_table(loads(read_table_text(path), str(path)))
 
 
 def check_kernel_table(table: Table) -> Table:
@@ -322,7 +253,7 @@ def as_table(table: TableLike) -> Table:
     if isinstance(table, Table):
         return check_kernel_table(table)
     if isinstance(table, Mapping):
-        _check_numbers(dict(table), "<dict>")
+        check_numbers(dict(table), "<dict>")
         return check_kernel_table(Table.from_dict(dict(table), source="<dict>"))
     if isinstance(table, str | os.PathLike):
         return load_table_file(table)
