@@ -18,6 +18,17 @@ def test_sequential_counts_each_storage_once_and_by_module():
     assert m.total == 8 * 10 * 4 + 8 * 20 * 4
     assert m.tensors == 2
     assert m.by_module == {"0": 320, "1": 640}
+    # the ReLU output is also saved by Linear 2: replacing the ReLU would free nothing of it
+    assert m.exclusive_by_module == {"0": 320}
+
+
+def test_exclusive_bytes_of_an_activation_whose_output_nobody_else_keeps():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.GELU(), torch.nn.Linear(20, 5))
+    x = torch.randn(8, 10)
+    with memory.saved_bytes(model) as m:
+        model(x).sum()
+    # GELU saves its input (Linear 0's output, 8*20 floats); Linear 2 saves GELU's output: three storages, one each
+    assert m.exclusive_by_module == {"0": 320, "1": 640, "2": 640}
 
 
 def test_views_of_one_storage_count_once():

@@ -64,12 +64,17 @@ class SavedBytes:
         by_module: bytes per module qualified name ("" is the model itself), attributed to the innermost module
             running when the tensor was saved; only filled when a model was given.
         tensors: number of distinct storages counted.
+        exclusive_by_module: bytes per module name of the storages that module saved and no other module did: what
+            replacing the module by one that saves nothing would free (a ReLU output that the next convolution also
+            saves is not exclusive). Only filled when a model was given.
     """
 
     total: int = 0
     by_module: dict[str, int] = field(default_factory=dict)
     tensors: int = 0
+    exclusive_by_module: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple[str, int], int] = field(default_factory=dict, repr=False)
+    _savers: dict[tuple[str, int], set[str]] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
         return f"{self.total} bytes saved for backward in {self.tensors} storages"
@@ -114,7 +119,11 @@ def saved_bytes(model: torch.nn.Module | None = None) -> Iterator[SavedBytes]:
             key = storage_key(tensor)
         except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional wrappers)
             return tensor
-        if key in excluded or key in result._seen:
+        if key in excluded:
+            return tensor
+        if model is not None:
+            result._savers.setdefault(key, set()).add(stack[-1] if stack else "")
+        if key in result._seen:
             return tensor
         nbytes = _storage_nbytes(tensor)
         result._seen[key] = nbytes
@@ -132,6 +141,11 @@ def saved_bytes(model: torch.nn.Module | None = None) -> Iterator[SavedBytes]:
             handle.remove()
         if model is not None:
             result.by_module = dict(by_module)
+            exclusive: defaultdict[str, int] = defaultdict(int)
+            for key, savers in result._savers.items():
+                if len(savers) == 1:
+                    exclusive[next(iter(savers))] += result._seen[key]
+            result.exclusive_by_module = dict(exclusive)
 
 
 @dataclass

@@ -288,55 +288,25 @@ def _run_example(model: torch.nn.Module, example_inputs: Any) -> Any:
 def _exclusive_bytes(
     model: torch.nn.Module, example_inputs: Any, candidates: Mapping[int, torch.nn.Module]
 ) -> tuple[dict[int, int], dict[int, int]]:
-    """Per candidate module (by id): bytes of the storages saved by it and by nothing else, and the elements it
-    took (summed over calls). One forward pass with grad enabled."""
-    owners: dict[tuple[str, int], set[int]] = {}
-    sizes: dict[tuple[str, int], int] = {}
-    excluded = {memory.storage_key(t) for t in list(model.parameters()) + list(model.buffers())}
-    stack: list[int] = []
+    """Per candidate module (by id): bytes of the storages saved by it and by no other module
+    (:attr:`memory.SavedBytes.exclusive_by_module`), and the elements it took (summed over calls). One forward pass
+    with grad enabled."""
     elements: Counter[int] = Counter()
-    handles = []
-    for module in model.modules():
 
-        def pre_hook(module, inputs):
-            stack.append(id(module))
-            if id(module) in candidates and inputs and isinstance(inputs[0], torch.Tensor):
-                elements[id(module)] += inputs[0].numel()
+    def count(module, inputs):
+        if inputs and isinstance(inputs[0], torch.Tensor):
+            elements[id(module)] += inputs[0].numel()
 
-        def post_hook(module, inputs, outputs):
-            if stack and stack[-1] == id(module):
-                stack.pop()
-
-        handles.append(module.register_forward_pre_hook(pre_hook))
-        handles.append(module.register_forward_hook(post_hook, always_call=True))
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
-            return tensor
-        try:
-            key = memory.storage_key(tensor)
-        except (RuntimeError, NotImplementedError):
-            return tensor
-        if key in excluded:
-            return tensor
-        owner = next((frame for frame in reversed(stack) if frame in candidates), stack[-1] if stack else 0)
-        owners.setdefault(key, set()).add(owner)
-        sizes[key] = int(tensor.untyped_storage().nbytes())
-        return tensor
-
+    handles = [module.register_forward_pre_hook(count) for module in candidates.values()]
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.enable_grad(), memory.saved_bytes(model) as saved:
             _run_example(model, example_inputs)
     finally:
         for handle in handles:
             handle.remove()
-    exclusive: Counter[int] = Counter()
-    for key, who in owners.items():
-        if len(who) == 1:
-            (only,) = who
-            if only in candidates:
-                exclusive[only] += sizes[key]
-    return dict(exclusive), dict(elements)
+    names = {id(module): name for name, module in model.named_modules()}  # the names memory.saved_bytes uses
+    exclusive = {key: saved.exclusive_by_module.get(names.get(key, None), 0) for key in candidates}
+    return exclusive, dict(elements)
 
 
 @contextlib.contextmanager
