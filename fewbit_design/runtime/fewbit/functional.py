@@ -45,6 +45,8 @@ __all__ = [
     "softshrink",
     "hardshrink",
     "threshold",
+    "quick_gelu",
+    "relu_squared",
 ]
 
 
@@ -172,3 +174,23 @@ def threshold(input, threshold, value, inplace=False, *, bits=3, weight="uniform
     """Few-bit :func:`torch.nn.functional.threshold`."""
     params = {"threshold": threshold, "value": value}
     return _apply("threshold", input, params, lambda x: F.threshold(x, threshold, value), bits, weight, mode, table)
+
+
+def quick_gelu_native(input: torch.Tensor) -> torch.Tensor:
+    """x * sigmoid(1.702 x), written as Hugging Face's ``QuickGELUActivation`` and timm's ``QuickGELU`` write it."""
+    return input * torch.sigmoid(1.702 * input)
+
+
+def relu_squared_native(input: torch.Tensor) -> torch.Tensor:
+    """relu(x) ** 2, written as Hugging Face's ``ReLUSquaredActivation`` writes it."""
+    return torch.square(F.relu(input))
+
+
+def quick_gelu(input, *, bits=3, weight="uniform", mode="levelsets", table=None):
+    """Few-bit x * sigmoid(1.702 x) (CLIP's GELU approximation; forward bitwise as in transformers and timm)."""
+    return _apply("quick_gelu", input, {}, quick_gelu_native, bits, weight, mode, table)
+
+
+def relu_squared(input, *, bits=3, weight="uniform", mode="levelsets", table=None):
+    """Few-bit relu(x) ** 2 (Primer's activation; forward bitwise as in transformers)."""
+    return _apply("relu_squared", input, {}, relu_squared_native, bits, weight, mode, table)

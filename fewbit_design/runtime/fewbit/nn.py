@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
+from .functional import quick_gelu_native, relu_squared_native
 from .ops import decode_table, encode_table, fewbit_activation
 from .tables import TableLike, as_table, resolve_table
 
@@ -57,6 +58,8 @@ __all__ = [
     "Softshrink",
     "Hardshrink",
     "Threshold",
+    "QuickGELU",
+    "ReLUSquared",
 ]
 
 _BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "levels64")
@@ -458,6 +461,32 @@ class Threshold(_Activation):
         return F.threshold(input, self.threshold, self.value)
 
 
+class QuickGELU(_Activation):
+    """Few-bit x * sigmoid(1.702 x): Hugging Face's ``QuickGELUActivation``, timm's ``QuickGELU`` (not in torch.nn)."""
+
+    activation = "quick_gelu"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return quick_gelu_native(input)
+
+
+class ReLUSquared(_Activation):
+    """Few-bit relu(x) ** 2: Hugging Face's ``ReLUSquaredActivation`` (no torch.nn class)."""
+
+    activation = "relu_squared"
+
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+    def _native(self, input):
+        return relu_squared_native(input)
+
+
 class FewBit(FewBitModule):
     """Any activation ``fn(x)`` with a few-bit backward from ``table`` (a Table, a dict or a path).
 
@@ -521,6 +550,8 @@ CLASSES: dict[str, type[_Activation]] = {
         Softshrink,
         Hardshrink,
         Threshold,
+        QuickGELU,
+        ReLUSquared,
     )
 }
 
