@@ -18,6 +18,7 @@ import torch
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import _packing as packing
 from fewbit_design.runtime.fewbit import ops as op
+from fewbit_design.runtime.fewbit.tables import load_table
 from fewbit_design.table import Table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -179,8 +180,8 @@ def test_kernels_agree_bitwise_at_every_bit_width(bits):
         torch.testing.assert_close(result, oracle_grad(table, x, grad), rtol=0, atol=0, msg=backend)
 
 
-def test_float32_table_with_two_code_changes_in_one_bucket_uses_the_compare_kernel():
-    # 1.0001 and 1.0002 share the top 16 bits of their float32 patterns: no single-threshold lookup table exists
+def test_float32_table_with_two_code_changes_in_one_bucket_searches_that_bucket():
+    # 1.0001 and 1.0002 share the top 16 bits of their float32 patterns: no single threshold resolves that bucket
     table = Table(
         activation="gelu",
         params={"approximate": "none"},
@@ -194,16 +195,32 @@ def test_float32_table_with_two_code_changes_in_one_bucket_uses_the_compare_kern
         error=0.0,
         snr_db=None,
     )
-    assert op.build_lut32(op.boundaries_float32(table.boundaries), table.codes) is None
+    lut = op.build_lut32(op.boundaries_float32(table.boundaries), table.codes)
+    assert np.count_nonzero(lut == op.MULTI) == 1  # 1.0001 and 1.0002 share a bucket: resolved by binary search
     tensors = op.table_tensors(table)
     x = torch.cat([torch.linspace(0.99, 1.01, 4001), edge_values(table, torch.float32)])
     packed = run("numba", "quantize", x, tensors.boundaries32, tensors.interval_codes, 2)
     np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 2))
 
 
+def test_shipped_table_with_a_crowded_bucket_in_the_branchless_kernel():
+    # silu's 8-bit level-set table has two boundaries within 2^-7 relative of each other: before the binary search
+    # for such buckets, the whole tensor fell back to comparing with all 349 boundaries (about 10x slower)
+    table = load_table("silu", bits=8)
+    lut = op.build_lut32(op.boundaries_float32(table.boundaries), table.codes)
+    assert np.any(lut == op.MULTI)
+    assert np.count_nonzero(op.direct_lut32(lut) == 0x100) > op.BRANCHLESS_SPLITS  # the branchless kernel runs
+    tensors = op.table_tensors(table)
+    x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
+    x = torch.cat([x, edge_values(table, torch.float32)])
+    for backend in ("reference", "numba"):
+        packed = run(backend, "quantize", x, tensors.boundaries32, tensors.interval_codes, 8)
+        np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 8), err_msg=backend)
+
+
 def test_lookup_table_of_a_designed_like_table_is_built(make_table):
     table = make_table("gelu", 3)
-    assert op.build_lut32(op.boundaries_float32(table.boundaries), table.codes) is not None
+    assert not np.any(op.build_lut32(op.boundaries_float32(table.boundaries), table.codes) == op.MULTI)
 
 
 def test_boundaries_are_rounded_up_to_float32():

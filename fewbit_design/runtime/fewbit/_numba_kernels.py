@@ -15,8 +15,9 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
 * float32: a 65536-entry table indexed by the top 16 bits of x's bit pattern (sign, exponent, 7 mantissa bits)
   gives the code of the whole bucket; the few buckets that hold a boundary are marked and resolved by a second
   table entry t << 16 | A << 8 | B: code = A if low16 >= t else B. Built by
-  :func:`fewbit_design.runtime.fewbit.ops.build_lut32` from the exact float32 comparisons when no bucket holds two
-  code changes; otherwise the compare path runs. About 6 instructions per element, branch almost always predicted.
+  :func:`fewbit_design.runtime.fewbit.ops.build_lut32` from the exact float32 comparisons; the rare buckets that hold
+  several code changes are resolved by a binary search over the boundaries. About 6 instructions per element, branch
+  almost always predicted.
   Tables with many boundaries (more than ``ops.BRANCHLESS_SPLITS`` split buckets: 5-8 bits) use
   :func:`quantize_pack_lut32_branchless` instead, which resolves every element through the second table without a
   branch (the branch would be mispredicted on a large share of the elements).
@@ -55,6 +56,8 @@ __all__ = [
     "CHUNK",
     "MIN_TASK",
     "SPLIT",
+    "SPLIT_MULTI",
+    "MULTI",
     "run",
     "split",
     "quantize_pack_lut32",
@@ -67,13 +70,32 @@ __all__ = [
 
 SPLIT = 0x100  # marks a bucket of the direct float32 table that holds a boundary
 _SPLIT = np.uint64(SPLIT)
+SPLIT_MULTI = 0x200  # ... that holds several (resolved by a binary search)
+_SPLIT_MULTI = np.uint64(SPLIT_MULTI)
+MULTI = 0xFF00  # the lut entry of such a bucket (ops.MULTI)
+_MULTI = np.uint64(MULTI)
+
+
+@numba.njit(cache=True, nogil=True, inline="always")
+def _search_code(value, boundaries, interval_codes):
+    """interval_codes[number of boundaries <= value] by binary search; NaN: the last interval (as the compare
+    kernel: ``value < boundary`` is false for NaN)."""
+    low = _u64(0)
+    high = _u64(boundaries.size)
+    while low < high:
+        middle = (low + high) >> _1
+        if value < boundaries[middle]:
+            high = middle
+        else:
+            low = middle + _1
+    return _u64(interval_codes[low])
 
 
 def _make_quantize_pack_lut32(bits: int):
     BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
 
     @numba.njit(cache=True, nogil=True)
-    def quantize_pack_lut32(x_halves, direct, lut, out, start, stop):
+    def quantize_pack_lut32(x_halves, direct, lut, x, boundaries, interval_codes, out, start, stop):
         # x_halves: float32 x as uint16 pairs (low, high) per element, so the bucket (top 16 bits) is one load
         buffer = np.empty(CHUNK, dtype=np.uint8)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
@@ -86,6 +108,8 @@ def _make_quantize_pack_lut32(bits: int):
                     entry = _u64(lut[bucket])
                     low = _u64(x_halves[base + _2 * i])
                     code = ((entry >> _8) & _FF) if low >= (entry >> _16) else (entry & _FF)
+                elif code == _SPLIT_MULTI:
+                    code = _search_code(x[chunk + i], boundaries, interval_codes)
                 buffer[i] = _u8(code)
             _pack_buffer(buffer, count, BITS, out, chunk // _8)
 
@@ -94,11 +118,14 @@ def _make_quantize_pack_lut32(bits: int):
 
 @functools.cache
 def quantize_pack_lut32(bits: int):
-    """The float32 kernel for ``bits``: ``kernel(x_halves, direct, lut, out, start, stop)``.
+    """The float32 kernel for ``bits``: ``kernel(x_halves, direct, lut, x, boundaries, interval_codes, out, start,
+    stop)``.
 
     ``x_halves`` is x viewed as uint16 (two per element, little-endian: the high half holds sign, exponent and 7
     mantissa bits, the bucket). ``direct`` (uint16[65536]) holds each bucket's code, or ``SPLIT`` for the few buckets
-    that hold a boundary, whose ``lut`` (uint32[65536]) entry t << 16 | A << 8 | B gives code = A if low16 >= t else B.
+    that hold a boundary, whose ``lut`` (uint32[65536]) entry t << 16 | A << 8 | B gives code = A if low16 >= t else B,
+    or ``SPLIT_MULTI`` for the rare buckets holding several boundaries, resolved by a binary search of x (float32) in
+    ``boundaries`` (the float32 boundaries, rounded up) giving ``interval_codes``.
     """
     return _make_quantize_pack_lut32(bits)
 
@@ -107,9 +134,10 @@ def _make_quantize_pack_lut32_branchless(bits: int):
     BITS = np.uint64(bits)
 
     @numba.njit(cache=True, nogil=True)
-    def quantize_pack_lut32_branchless(x_halves, lut, out, start, stop):
+    def quantize_pack_lut32_branchless(x_halves, lut, x, boundaries, interval_codes, out, start, stop):
         # every element reads its bucket's entry t << 16 | A << 8 | B (t = 0, A = B for buckets without a boundary)
-        # and picks A or B with arithmetic, not a branch: code = A * above + B * (1 - above), above = low16 >= t
+        # and picks A or B with arithmetic, not a branch: code = A * above + B * (1 - above), above = low16 >= t.
+        # The only branch, for the rare buckets holding several boundaries (entry MULTI), is almost never taken.
         buffer = np.empty(CHUNK, dtype=np.uint8)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
@@ -118,6 +146,9 @@ def _make_quantize_pack_lut32_branchless(bits: int):
             target = out[chunk : chunk + count] if BITS == _8 else buffer
             for i in range(count):
                 entry = _u64(lut[_u64(x_halves[base + _2 * i + _1])])
+                if entry == _MULTI:
+                    target[i] = _u8(_search_code(x[chunk + i], boundaries, interval_codes))
+                    continue
                 above = _u64(_u64(x_halves[base + _2 * i]) >= (entry >> _16))
                 target[i] = _u8((((entry >> _8) & _FF) * above) | ((entry & _FF) * (_1 - above)))
             if BITS != _8:
@@ -128,7 +159,8 @@ def _make_quantize_pack_lut32_branchless(bits: int):
 
 @functools.cache
 def quantize_pack_lut32_branchless(bits: int):
-    """The float32 kernel for tables with many boundaries: ``kernel(x_halves, lut, out, start, stop)``.
+    """The float32 kernel for tables with many boundaries: ``kernel(x_halves, lut, x, boundaries, interval_codes, out,
+    start, stop)``.
 
     Same result as :func:`quantize_pack_lut32`, reading only ``lut``. With many boundaries (5-8 bits) a large share
     of typical inputs falls in buckets that hold a boundary (28% of N(0, 1) samples for the 8-bit GELU table), where
@@ -208,5 +240,7 @@ def warm_up(bits: int = 3) -> None:
     """Compile (or load from numba's cache) the float32 kernels for ``bits``, e.g. before timing."""
     x = np.zeros(9, np.float32)
     out = np.zeros(2 * bits, np.uint8)
-    quantize_pack_lut32(bits)(x.view(np.uint16), np.zeros(65536, np.uint16), np.zeros(65536, np.uint32), out, 0, 9)
+    luts = (np.zeros(65536, np.uint16), np.zeros(65536, np.uint32))
+    search = (x, np.zeros(1, np.float32), np.zeros(2, np.uint8))
+    quantize_pack_lut32(bits)(x.view(np.uint16), *luts, *search, out, 0, 9)
     unpack_scale(bits)(x, out, np.zeros(2**bits, np.float32), np.empty_like(x), 0, 9)

@@ -61,6 +61,7 @@ __all__ = [
     "boundaries_float32",
     "build_lut32",
     "direct_lut32",
+    "MULTI",
     "build_lut16",
     "quantize_reference",
     "scale_reference",
@@ -222,14 +223,19 @@ _LUT_CACHE_SIZE = 256
 # gelu has 9-20 boundaries at 3-4 bits (direct kernel, faster there), 39-353 at 5-8 bits (branchless, 3.4x faster
 # at 8 bits on N(0, 1) input).
 BRANCHLESS_SPLITS = 24
+#: The entry of :func:`build_lut32` for a bucket with several code changes (t = 0 with A != B: no other bucket has it).
+MULTI = 0xFF00
 
 
-def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray | None:
-    """The float32 lookup table of ``quantize_pack_lut32``, or None when some bucket holds two code changes.
+def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
+    """The float32 lookup table of ``quantize_pack_lut32`` (uint32[65536]).
 
-    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B (uint32) means
-    code = A if t > 0 and (pattern & 0xFFFF) >= t else B. Built by evaluating the exact float32 comparisons (numpy
-    searchsorted, NaN last) at every pattern of the buckets where the interval changes.
+    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B means code = A if
+    (pattern & 0xFFFF) >= t else B (t = 0 and A = B for a bucket without a boundary). A bucket holding two or more
+    code changes (boundaries closer than 2^-7 relative, e.g. in silu's 8-bit table) gets the entry ``MULTI``
+    (t = 0, A = 0xFF != B = 0, which no other bucket has), and its elements are resolved by a binary search over the
+    boundaries: rare, so the kernels stay a table lookup for almost every element. Built by evaluating the exact
+    float32 comparisons (numpy searchsorted, NaN last) at every pattern of the buckets where the interval changes.
     """
     boundaries32 = np.ascontiguousarray(boundaries32, dtype=np.float32)
     codes = np.asarray(interval_codes, dtype=np.int64)
@@ -243,6 +249,7 @@ def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndar
     threshold = np.zeros(65536, dtype=np.uint64)
     above = codes[first].astype(np.uint64)
     below = above.copy()
+    multi = np.zeros(65536, dtype=bool)
     lows = np.arange(65536, dtype=np.uint64)
     for bucket in np.nonzero(first != last)[0]:
         bucket_codes = codes[intervals((np.uint64(bucket) << np.uint64(16)) | lows)]
@@ -250,17 +257,22 @@ def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndar
         if len(changes) == 0:
             continue
         if len(changes) > 1:
-            return None
+            multi[bucket] = True
+            continue
         threshold[bucket] = changes[0] + 1
         below[bucket] = bucket_codes[0]
         above[bucket] = bucket_codes[-1]
     entries = (threshold << np.uint64(16)) | (above << np.uint64(8)) | below
+    entries[multi] = MULTI
     return entries.astype(np.uint32)
 
 
 def direct_lut32(lut: np.ndarray) -> np.ndarray:
-    """The bucket codes of :func:`build_lut32` (uint16[65536]), ``SPLIT`` (0x100) where a bucket holds a boundary."""
-    return np.where((lut >> 16) == 0, lut & 0xFF, 0x100).astype(np.uint16)
+    """The bucket codes of :func:`build_lut32` (uint16[65536]): ``SPLIT`` (0x100) where a bucket holds one boundary,
+    ``SPLIT_MULTI`` (0x200) where it holds several."""
+    direct = np.where((lut >> 16) == 0, lut & 0xFF, 0x100).astype(np.uint16)
+    direct[lut == MULTI] = 0x200
+    return direct
 
 
 def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
@@ -286,11 +298,8 @@ def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: to
             _LUT_CACHE.clear()
         if dtype == torch.float32:
             lut = build_lut32(boundaries_np, codes_np)
-            if lut is None:
-                _LUT_CACHE[key] = None
-            else:
-                direct = direct_lut32(lut)
-                _LUT_CACHE[key] = (direct, lut, int(np.count_nonzero(direct == 0x100)) > BRANCHLESS_SPLITS)
+            direct = direct_lut32(lut)
+            _LUT_CACHE[key] = (direct, lut, int(np.count_nonzero(direct == 0x100)) > BRANCHLESS_SPLITS)
         else:
             _LUT_CACHE[key] = build_lut16(dtype, boundaries_np, codes_np)
     return _LUT_CACHE[key]
@@ -340,17 +349,20 @@ def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: to
         return out
     # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
     use_lut = x.dtype == torch.float32 and sys.byteorder == "little"
-    luts = _cached_lut(x.dtype, boundaries, interval_codes) if use_lut else None
-    if luts is not None:
-        direct, lut32, branchless = luts
-        x_halves = flat.numpy().view(np.uint16)
+    boundaries_np = boundaries.detach().cpu().numpy()
+    codes_np = interval_codes.detach().cpu().numpy()
+    if use_lut:
+        direct, lut32, branchless = _cached_lut(x.dtype, boundaries, interval_codes)
+        x_np = flat.numpy()
+        x_halves = x_np.view(np.uint16)
+        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
         if branchless:
-            kernels.run(kernels.quantize_pack_lut32_branchless(bits), numel, x_halves, lut32, out_np)
+            kernels.run(kernels.quantize_pack_lut32_branchless(bits), numel, x_halves, lut32, *search, out_np)
+            if bits == 8:  # codes are written in place there, one per byte: zero the group's padding bytes
+                out_np[numel:] = 0
         else:
-            kernels.run(kernels.quantize_pack_lut32(bits), numel, x_halves, direct, lut32, out_np)
+            kernels.run(kernels.quantize_pack_lut32(bits), numel, x_halves, direct, lut32, *search, out_np)
     else:
-        codes_np = interval_codes.detach().cpu().numpy()
-        boundaries_np = boundaries.detach().cpu().numpy()
         kernels.run(kernels.quantize_pack_compare, numel, flat.numpy(), boundaries_np, codes_np, bits, out_np)
     return out
 
