@@ -156,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
             cells = [r["forward+backward_ratio"] for r in rows if r["activation"] == name and r["bits"] == bits]
             print(f"{name:>10s} {bits:4d} " + " ".join(f"{c:7.2f}" for c in cells))
 
+    if 3 in bit_widths and len(bit_widths) > 1:
+        print("\nforward+backward time of few-bit at b bits / at 3 bits (median; issue 12: 5-8 bits at most 1.1x):")
+        print(header)
+        for name in names:
+            base = [r["forward+backward_fewbit_ms"] for r in rows if r["activation"] == name and r["bits"] == 3]
+            for bits in bit_widths:
+                cells = [r["forward+backward_fewbit_ms"] for r in rows if r["activation"] == name and r["bits"] == bits]
+                print(f"{name:>10s} {bits:4d} " + " ".join(f"{c / b:7.2f}" for c, b in zip(cells, base, strict=True)))
+
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     with out.open("w", newline="") as handle:
