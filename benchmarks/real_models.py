@@ -16,7 +16,7 @@ loss (mean of the last 10 steps), held-out loss (fixed held-out batches), bytes 
 model, and the activation modules only; ``fewbit_design.runtime.memory.saved_bytes``), median step time, and the
 relative error of the parameter gradient at initialisation against the exact (native) gradient on one batch.
 
-    python benchmarks/real_models.py                       # reduced default: 4 layers, width 128, seq 64, 60 steps
+    python benchmarks/real_models.py                       # reduced default: 4 layers, width 128, seq 64, 180 steps
     python benchmarks/real_models.py --width 256 --seq 128 --steps 600 --threads 2   # larger
     python benchmarks/real_models.py --quick               # smoke test (a few steps)
 
@@ -294,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--width", type=int, default=128)
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--steps", type=int, default=180)
     parser.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches")
     parser.add_argument("--lr", type=float, default=2e-3)
