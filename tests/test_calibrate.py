@@ -109,3 +109,23 @@ def test_the_cli_designs_from_the_saved_samples(tmp_path):
     result = CliRunner().invoke(cli, args)
     assert result.exit_code == 0, result.output
     assert load(out).weight["kind"] == "empirical"
+
+
+def test_calibrate_keeps_torchs_thread_count():
+    # numba's parallel design shares the OpenMP runtime with torch and reset its thread count (found by the
+    # real-model benchmark: two 1-thread training processes ran 9x slower after calibrating); a fresh interpreter, so
+    # numba's threading layer starts inside calibrate as it would for a user
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; torch.set_num_threads(1); torch.get_num_threads()\n"  # as after training: the pool exists
+        "from fewbit_design import runtime\n"
+        "torch.manual_seed(0)\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())\n"
+        "runtime.calibrate(model, [torch.randn(32, 4)], bits=2)\n"
+        "print(torch.get_num_threads())\n"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.split()[-1] == "1"
