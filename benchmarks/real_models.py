@@ -252,7 +252,8 @@ def plot(rows: list[dict], path: Path) -> None:
         axis.axhline(1.0, color="black", linewidth=0.8)
         axis.set_xticks([x + 0.4 - width / 2 for x in range(len(variants))], variants)
         axis.set_title(title)
-    axes[0].set_ylim(0.95, max(1.1, max(r["held_out_loss_ratio"] for r in rows) + 0.01))
+    ratios = [r["held_out_loss_ratio"] for r in rows]
+    axes[0].set_ylim(min(0.95, min(ratios) - 0.01), max(1.05, max(ratios) + 0.01))  # every bar visible
     axes[0].legend(fontsize=8)
     figure.suptitle("Few-bit activations in Hugging Face models (byte-level stdlib corpus, 2-core CPU)", fontsize=10)
     figure.tight_layout()
