@@ -3,8 +3,9 @@
 Strategies (Chen, Xu, Zhang, Guestrin 2016, "Training deep nets with sublinear memory cost"):
 
 * ``"none"``: no checkpointing.
-* ``"sqrt"`` (§4.3): segments of about sqrt(n) blocks, all checkpointed but the last (its backward follows its
-  forward at once, so recomputing it would buy nothing), like ``torch.utils.checkpoint.checkpoint_sequential``.
+* ``"sqrt"`` (§4.3): round(sqrt(n)) segments as equal as possible, all checkpointed but the last (its backward
+  follows its forward at once, so recomputing it would buy nothing), like
+  ``torch.utils.checkpoint.checkpoint_sequential``.
 * ``"greedy"`` (Alg. 3): walk the chain adding each block's bytes; close a checkpointed segment when the sum
   passes B; search B over the chain's prefix sums for the smallest predicted peak (or, under a budget, the least
   recomputation that fits).
@@ -182,10 +183,13 @@ def _merge_plain(segments: Sequence[Segment]) -> tuple[Segment, ...]:
 
 
 def _sqrt(n: int) -> tuple[Segment, ...]:
-    length = max(1, round(math.sqrt(n)))
-    starts = list(range(0, n, length))
-    segments = [Segment(a, min(a + length, n), True) for a in starts[:-1]]
-    return tuple(segments) + _plain(starts[-1], n)
+    # k = round(sqrt(n)) segments as equal as possible, all checkpointed but the last. Equal lengths matter at the
+    # tail: with segments of ceil-length the plain tail could be tiny (2 blocks of 32 with segments of 6), so
+    # nearly every block was recomputed although the peak could hold a whole segment's activations anyway.
+    count = max(1, round(math.sqrt(n)))
+    bounds = [round(i * n / count) for i in range(count + 1)]
+    segments = [Segment(bounds[i], bounds[i + 1], True) for i in range(count - 1)]
+    return tuple(segments) + _plain(bounds[-2], n)
 
 
 def _recursive(start: int, stop: int) -> tuple[Segment, ...]:
