@@ -5,6 +5,7 @@ import gc
 
 import pytest
 import torch
+from test_offload import SaveAndReturn  # the same probe as the disk round trips (tests/ is on sys.path under pytest)
 from torch import nn
 
 from fewbit_design.runtime import offload
@@ -15,19 +16,6 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="needs a CUDA GPU; the CUDA target's ordering logic is tested on CPU in test_offload_schedule.py",
 )
-
-
-class SaveAndReturn(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, anchor, tensor, sink):
-        ctx.save_for_backward(tensor)
-        ctx.sink = sink
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.append(ctx.saved_tensors[0])
-        return grad, None, None
 
 
 def held_pinned_bytes():

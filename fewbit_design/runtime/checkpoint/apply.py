@@ -29,7 +29,7 @@ from ...errors import FewBitError
 from .cost import Segment
 from .plan import Plan
 
-__all__ = ["CheckpointedSequential", "apply", "remove", "KEEP_OPS"]
+__all__ = ["CheckpointedSequential", "CheckpointedForward", "apply", "remove", "KEEP_OPS"]
 
 _aten = torch.ops.aten
 #: operations whose outputs ``selective=True`` keeps instead of recomputing (Chen §4.2)
@@ -143,7 +143,7 @@ class CheckpointedSequential(torch.nn.Sequential):
         return f"plan={self.plan.strategy!r}, checkpointed={self.plan.checkpointed}"
 
 
-class _CheckpointedForward:
+class CheckpointedForward:
     """A block's instance ``forward`` that checkpoints its class's forward. It holds the module itself (not a bound
     method), so ``copy.deepcopy`` of the model gives the copy a forward of its own block."""
 
@@ -167,7 +167,7 @@ def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Mod
         return torch.nn.Sequential(OrderedDict(blocks._modules))
     if isinstance(blocks, torch.nn.ModuleList):
         for block in blocks:
-            if isinstance(block.__dict__.get("forward"), _CheckpointedForward):
+            if isinstance(block.__dict__.get("forward"), CheckpointedForward):
                 del block.forward
         return blocks
     raise FewBitError(f"remove takes what apply returned, got {type(blocks).__name__}")
@@ -201,7 +201,7 @@ def apply(blocks: Any, plan: Plan, *, selective: bool = False) -> torch.nn.Modul
         for segment in plan.segments:
             if segment.checkpoint:
                 block = blocks[segment.start]
-                block.forward = _CheckpointedForward(block, selective)
+                block.forward = CheckpointedForward(block, selective)
         return blocks
     if isinstance(blocks, CheckpointedSequential):
         blocks = list(blocks)

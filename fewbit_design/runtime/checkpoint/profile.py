@@ -9,9 +9,10 @@ found it.
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -21,7 +22,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ...errors import FewBitError
 from .. import memory
 
-__all__ = ["BlockProfile", "Profile", "profile"]
+__all__ = ["BlockProfile", "Profile", "profile", "training_state_kept"]
 
 
 @dataclass(frozen=True)
@@ -191,6 +192,25 @@ def _blocks_of(blocks: Any) -> tuple[list[torch.nn.Module], list[str], bool]:
     )
 
 
+@contextlib.contextmanager
+def training_state_kept(module: torch.nn.Module, *, clear_grads: bool = False) -> Iterator[None]:
+    """Run a measurement on ``module`` and put back its parameters' gradients and its buffers (batch-norm running
+    statistics) afterwards; with ``clear_grads`` the gradients are None during the block."""
+    grads = {p: p.grad for p in module.parameters()}
+    buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
+    if clear_grads:
+        for parameter in grads:
+            parameter.grad = None
+    try:
+        yield
+    finally:
+        for parameter, grad in grads.items():
+            parameter.grad = grad
+        with torch.no_grad():
+            for key, value in module.named_buffers():
+                value.copy_(buffers[key])
+
+
 def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwargs: Any) -> Profile:
     """Run each block once on example inputs and measure what it costs (see :class:`BlockProfile`).
 
@@ -223,18 +243,8 @@ def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwarg
     results = []
     with torch.random.fork_rng(devices=devices):
         for module, name in zip(modules, names, strict=True):
-            grads = {p: p.grad for p in module.parameters()}
-            buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
-            for parameter in grads:
-                parameter.grad = None
-            try:
+            with training_state_kept(module, clear_grads=True):
                 block_profile, output = _measure(module, name, x, args, example_kwargs, repeats)
                 x = output.requires_grad_(output.is_floating_point() and (x.requires_grad or _has_grad(module)))
-            finally:
-                for parameter, grad in grads.items():
-                    parameter.grad = grad
-                with torch.no_grad():
-                    for key, value in module.named_buffers():
-                        value.copy_(buffers[key])
             results.append(block_profile)
     return Profile(tuple(results), per_block=per_block, device=str(example_inputs[0].device))

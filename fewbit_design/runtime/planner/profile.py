@@ -25,6 +25,7 @@ import torch
 
 from ...errors import FewBitError
 from .. import memory
+from ..checkpoint.profile import training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, changed_by, option_name, parse_option
 
@@ -302,45 +303,36 @@ def profile_model(
     blocks = list(container)
     names = [f"{chain_name}.{key}" if chain_name else key for key in container._modules]
     loss_fn = loss_fn or default_loss
-    grads = {p: p.grad for p in model.parameters()}
-    buffers = {key: value.detach().clone() for key, value in model.named_buffers()}
-    try:
-        with torch.random.fork_rng():
-            facts, recorded = _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats)
-            measure = _Measure(bits, blpa_bits, offload_options, repeats)
-            costs = []
-            cache: dict[tuple, tuple[list[OptionCost], dict]] = {}
-            for index, (block, name) in enumerate(zip(blocks, names, strict=True)):
-                args, kwargs, needs_grad = recorded[index]
-                signature = (_signature(block, args, kwargs), needs_grad)
-                if signature not in cache:
-                    options = []
-                    plain_extra: dict = {}
-                    for option in candidate_options(block, allow, bits, blpa_bits):
-                        cost, extra = measure.cost(block, option, args, kwargs, needs_grad)
-                        if option == "plain":
-                            plain_extra = extra
-                        if "offload" in parse_option(option) and extra["offloaded_bytes"] == 0:
-                            continue  # nothing large enough to offload
-                        options.append(cost)
-                    cache[signature] = (options, plain_extra)
-                options, extra = cache[signature]
-                costs.append(
-                    BlockCosts(
-                        name=name,
-                        input_bytes=extra["input_bytes"],
-                        output_bytes=extra["output_bytes"],
-                        gradient_bytes=extra["gradient_bytes"],
-                        options=tuple(options),
-                    )
+    with training_state_kept(model), torch.random.fork_rng():
+        facts, recorded = _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats)
+        measure = _Measure(bits, blpa_bits, offload_options, repeats)
+        costs = []
+        cache: dict[tuple, tuple[list[OptionCost], dict]] = {}
+        for index, (block, name) in enumerate(zip(blocks, names, strict=True)):
+            args, kwargs, needs_grad = recorded[index]
+            signature = (_signature(block, args, kwargs), needs_grad)
+            if signature not in cache:
+                options = []
+                plain_extra: dict = {}
+                for option in candidate_options(block, allow, bits, blpa_bits):
+                    cost, extra = measure.cost(block, option, args, kwargs, needs_grad)
+                    if option == "plain":
+                        plain_extra = extra
+                    if "offload" in parse_option(option) and extra["offloaded_bytes"] == 0:
+                        continue  # nothing large enough to offload
+                    options.append(cost)
+                cache[signature] = (options, plain_extra)
+            options, extra = cache[signature]
+            costs.append(
+                BlockCosts(
+                    name=name,
+                    input_bytes=extra["input_bytes"],
+                    output_bytes=extra["output_bytes"],
+                    gradient_bytes=extra["gradient_bytes"],
+                    options=tuple(options),
                 )
-                facts.setdefault("saved_bytes", {})[name] = extra["saved_bytes"]
-    finally:
-        for parameter, grad in grads.items():
-            parameter.grad = grad
-        with torch.no_grad():
-            for key, value in model.named_buffers():
-                value.copy_(buffers[key])
+            )
+            facts.setdefault("saved_bytes", {})[name] = extra["saved_bytes"]
     # the hidden state x_{i+1} is block i's output: one size for both, so the model's sums telescope
     for i in range(1, len(costs)):
         b = costs[i]

@@ -8,13 +8,12 @@ and offloading is applied to all offloaded blocks at once (one ``offload.apply``
 
 from __future__ import annotations
 
-import contextlib
 import warnings
-from collections.abc import Iterator, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import torch
-from torch.utils.checkpoint import checkpoint
+
+from ..checkpoint.apply import CheckpointedForward
 
 __all__ = ["TECHNIQUES", "parse_option", "option_name", "apply_option", "CheckpointedForward"]
 
@@ -30,45 +29,6 @@ def option_name(techniques: Sequence[str]) -> str:
     """The canonical name of a set of techniques."""
     ordered = [t for t in TECHNIQUES if t in techniques]
     return "+".join(ordered) if ordered else "plain"
-
-
-def _batch_norms(module: torch.nn.Module) -> list[torch.nn.Module]:
-    return [
-        m for m in module.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm) and m.track_running_stats
-    ]
-
-
-@contextlib.contextmanager
-def _keep_running_stats(norms: Sequence[torch.nn.Module]) -> Iterator[None]:
-    """During recomputation, leave batch-norm running statistics as the first forward pass left them."""
-    saved = [[b.detach().clone() for b in (n.running_mean, n.running_var, n.num_batches_tracked)] for n in norms]
-    try:
-        yield
-    finally:
-        with torch.no_grad():
-            for norm, values in zip(norms, saved, strict=True):
-                buffers = (norm.running_mean, norm.running_var, norm.num_batches_tracked)
-                for buffer, value in zip(buffers, values, strict=True):
-                    buffer.copy_(value)
-
-
-class CheckpointedForward:
-    """A block's forward under ``torch.utils.checkpoint(..., use_reentrant=False)`` (training with gradients only);
-    a plain object, so ``copy.deepcopy`` of the model works."""
-
-    def __init__(self, forward: Any) -> None:
-        self.forward = forward
-
-    def _context(self) -> tuple[Any, Any]:
-        module = getattr(self.forward, "__self__", None)
-        norms = _batch_norms(module) if isinstance(module, torch.nn.Module) else []
-        return contextlib.nullcontext(), _keep_running_stats(norms)
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        module = getattr(self.forward, "__self__", None)
-        if not torch.is_grad_enabled() or (isinstance(module, torch.nn.Module) and not module.training):
-            return self.forward(*args, **kwargs)
-        return checkpoint(self.forward, *args, use_reentrant=False, context_fn=self._context, **kwargs)
 
 
 def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int, blpa_bits: int) -> torch.nn.Module:
@@ -92,7 +52,7 @@ def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int
     if "checkpoint" in techniques:
         if isinstance(block.__dict__.get("forward"), CheckpointedForward):
             raise AssertionError("block checkpointed twice")
-        block.forward = CheckpointedForward(block.forward)
+        block.forward = CheckpointedForward(block, selective=False)  # checkpoint.apply's per-block wrapper
     container._modules[key] = block
     return block
 
