@@ -16,6 +16,12 @@ loss (mean of the last 10 steps), held-out loss (fixed held-out batches), bytes 
 model, and the activation modules only; ``fewbit_design.runtime.memory.saved_bytes``), median step time, and the
 relative error of the parameter gradient at initialisation against the exact (native) gradient on one batch.
 
+Training recipe, the same for every variant: AdamW (no weight decay), a linear learning-rate warm-up over the
+first ``--warmup`` steps, then constant ``--lr``, and the gradient norm clipped to ``--clip`` (the usual GPT-2
+recipe). Without warm-up and clipping the native GPT-2 sat on a loss plateau (about 3.2 nats) for 100 of its 180
+steps, and the held-out ratio measured when the plateau ended rather than the activations (3-bit GPT-2 was 0.926x
+of native).
+
     python benchmarks/real_models.py                       # reduced default: 4 layers, width 128, seq 64, 180 steps
     python benchmarks/real_models.py --width 256 --seq 128 --steps 600 --threads 2   # larger
     python benchmarks/real_models.py --quick               # smoke test (a few steps)
@@ -199,6 +205,8 @@ def run(kind: str, variant: str, args, train: list, held_out: list, notes: set[s
         grad_error = float((approx - exact).norm() / exact.norm())
         model.zero_grad(set_to_none=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
+    warmup = max(1, args.warmup)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / warmup))
     losses, times = [], []
     model.train()
     for step, window in enumerate(train):
@@ -207,7 +215,10 @@ def run(kind: str, variant: str, args, train: list, held_out: list, notes: set[s
         loss = model(**inputs).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
+        if args.clip > 0:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
         optimizer.step()
+        schedule.step()
         times.append(time.perf_counter() - start)
         losses.append(float(loss.detach()))
         if not math.isfinite(losses[-1]):
@@ -299,6 +310,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--jobs", type=int, default=2, help="models trained in parallel processes")
     parser.add_argument("--held-out", type=int, default=8, help="held-out batches")
     parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up (0: none)")
+    parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: none)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fair on a shared machine)")
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
