@@ -1,11 +1,15 @@
 """Checkpoint plans on chains of n blocks: measured peak memory and step time per strategy, against no checkpointing.
 
 For each block type (``mlp``: x + Linear(GELU(Linear(LayerNorm(x)))); ``transformer``: a pre-norm attention +
-MLP block on sequences) and each depth n, it profiles the chain once, plans every strategy of
-``fewbit_design.runtime.checkpoint`` (``optimal`` without a budget: its smallest peak), and measures in the same run:
+MLP block on sequences of 64, 32-wide heads), width 128 by default, and each depth n, it profiles the chain once,
+plans every strategy of ``fewbit_design.runtime.checkpoint`` (``optimal`` without a budget: its smallest peak), and
+measures in the same run:
 
 * the peak of live tensor bytes over a training step (``memory.peak()``: forward + backward, exact on CPU) against
-  the plan's predicted peak;
+  the plan's predicted peak. By default the parameters' gradients are allocated before the step and zeroed in place
+  (``--grads allocated``, as with ``zero_grad(set_to_none=False)`` or gradient accumulation), so the peak is the
+  feature maps', the memory Chen et al.'s O(sqrt(n)) is about; ``--grads fresh`` lets the backward pass create them
+  (torch's default), and the peak then also holds n blocks' gradients, which grow linearly whatever the plan;
 * the step time (forward + backward, median of repeats, without the memory instrument) and its ratio to no
   checkpointing at the same n.
 
@@ -14,6 +18,12 @@ is 1.0). Writes ``benchmarks/results/checkpoint_memory.csv`` and ``docs/figures/
 
     python benchmarks/checkpoint_memory.py            # n = 8 .. 256, both block types
     python benchmarks/checkpoint_memory.py --quick    # n = 8 .. 64 (a few minutes)
+    python benchmarks/checkpoint_memory.py --width 32 # narrow blocks (writes checkpoint_memory_w32.csv)
+
+The time overhead of recomputation is the share of the step spent in the forward pass of the recomputed blocks. At
+width 32 a block's matrix products are so small that GELU and LayerNorm take most of its forward pass, the forward
+is about 37% of the step, and "sqrt" costs 1.35-1.46x; at width 128 the matrix products dominate, as in real
+models, and it costs about one extra forward (see the README for the measured figures).
 
 Timings use one torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads spin against
 other processes and a step gets ten times slower and erratic.
@@ -68,34 +78,48 @@ class TransformerBlock(torch.nn.Module):
         return x + self.mlp(self.norm2(x))
 
 
-def make_chain(kind: str, n: int) -> tuple[torch.nn.Sequential, torch.Tensor]:
+def make_chain(kind: str, n: int, width: int = 128) -> tuple[torch.nn.Sequential, torch.Tensor]:
+    """n blocks and an input of 65536 x width / 32 ... : 2**16 activations per feature map, whatever the width."""
     torch.manual_seed(0)
     if kind == "mlp":
-        width, batch = 32, 2048
-        return torch.nn.Sequential(*[MLPBlock(width) for _ in range(n)]), torch.randn(batch, width)
-    width, batch, length = 32, 32, 64
-    return torch.nn.Sequential(*[TransformerBlock(width) for _ in range(n)]), torch.randn(batch, length, width)
+        return torch.nn.Sequential(*[MLPBlock(width) for _ in range(n)]), torch.randn(2**16 // width, width)
+    length = 64
+    blocks = [TransformerBlock(width, heads=max(2, width // 32)) for _ in range(n)]
+    return torch.nn.Sequential(*blocks), torch.randn(max(1, 2**16 // (length * width)), length, width)
 
 
-def step(model: torch.nn.Module, x: torch.Tensor) -> None:
+def zero_grads(model: torch.nn.Module, allocated: bool) -> None:
+    """Before a step: gradients None (created by the backward pass), or allocated and zeroed in place."""
     for parameter in model.parameters():
-        parameter.grad = None
+        if not allocated:
+            parameter.grad = None
+        elif parameter.grad is None:
+            parameter.grad = torch.zeros_like(parameter)
+        else:
+            parameter.grad.zero_()
+
+
+def step(model: torch.nn.Module, x: torch.Tensor, allocated: bool = False) -> None:
+    zero_grads(model, allocated)
     model(x).sum().backward()
 
 
-def measure_peak(model: torch.nn.Module, x: torch.Tensor) -> int:
+def measure_peak(model: torch.nn.Module, x: torch.Tensor, allocated: bool) -> int:
+    zero_grads(model, allocated)
     with memory.peak() as p:
-        step(model, x)
+        model(x).sum().backward()
     return p.peak_bytes
 
 
-def measure_times(models: dict[str, torch.nn.Module], x: torch.Tensor, repeats: int) -> dict[str, float]:
+def measure_times(
+    models: dict[str, torch.nn.Module], x: torch.Tensor, repeats: int, allocated: bool
+) -> dict[str, float]:
     """Median step time per model, the models timed in turn (round robin) so that load changes hit all alike."""
     times: dict[str, list[float]] = {name: [] for name in models}
     for _ in range(repeats):
         for name, model in models.items():
             start = time.perf_counter()
-            step(model, x)
+            step(model, x, allocated)
             times[name].append(time.perf_counter() - start)
     return {name: statistics.median(values) for name, values in times.items()}
 
@@ -109,23 +133,34 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="n = 8 .. 64 only")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps per plan (median)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    parser.add_argument(
+        "--grads",
+        choices=("allocated", "fresh"),
+        default="allocated",
+        help="parameters' gradients before a step: allocated and zeroed in place (the peak is the feature maps'), or "
+        "None and created by the backward pass (the peak also holds them)",
+    )
+    parser.add_argument(
+        "--width", type=int, default=128, help="feature width (the batch shrinks so a feature map stays 2**16 values)"
+    )
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    allocated = args.grads == "allocated"
     ns = [8, 16, 32, 64] if args.quick else [8, 16, 32, 64, 128, 256]
     rows = []
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, width {args.width}, gradients {args.grads}")
     print(
         f"{'block':<12}{'n':>5} {'strategy':<10}{'predicted':>12}{'measured':>12}{'pred/meas':>10}{'step s':>9}"
         f"{'x none':>8}{'peak/none':>10}"
     )
     for kind in ("mlp", "transformer"):
         for n in ns:
-            blocks, x = make_chain(kind, n)
-            profile = checkpoint.profile(blocks, x)
+            blocks, x = make_chain(kind, n, args.width)
+            profile = checkpoint.profile(blocks, x, grads_allocated=allocated)
             plans = {strategy: checkpoint.plan(profile, strategy=strategy) for strategy in STRATEGIES}
             models = {strategy: checkpoint.apply(blocks, plan) for strategy, plan in plans.items()}
-            peaks = {strategy: measure_peak(model, x) for strategy, model in models.items()}
-            seconds = measure_times(models, x, args.repeats)
+            peaks = {strategy: measure_peak(model, x, allocated) for strategy, model in models.items()}
+            seconds = measure_times(models, x, args.repeats, allocated)
             for strategy, plan in plans.items():
                 peak = peaks[strategy]
                 row = {
@@ -149,7 +184,9 @@ def main() -> None:
                     f"{row['time_ratio_to_none']:>8.2f}{row['peak_ratio_to_none']:>10.3f}",
                     flush=True,
                 )
-    name = "checkpoint_memory_quick.csv" if args.quick else "checkpoint_memory.csv"
+    name = "checkpoint_memory" + ("_quick" if args.quick else "") + ("" if args.width == 128 else f"_w{args.width}")
+    name += "" if allocated else "_fresh_grads"
+    name += ".csv"
     results = ROOT / "benchmarks" / "results" / name
     results.parent.mkdir(parents=True, exist_ok=True)
     with results.open("w", newline="") as file:
@@ -165,12 +202,13 @@ def main() -> None:
             peaks = [r["measured_peak_bytes"] for r in rows if r["block"] == kind and r["strategy"] == strategy]
             slopes.append(f"{strategy} {slope(fit, peaks[-len(fit) :]):.2f}")
         worst = max(abs(r["predicted_over_measured"] - 1) for r in rows if r["block"] == kind)
-        sqrt_time = max(r["time_ratio_to_none"] for r in rows if r["block"] == kind and r["strategy"] == "sqrt")
+        sqrt_times = [r["time_ratio_to_none"] for r in rows if r["block"] == kind and r["strategy"] == "sqrt"]
         print(
             f"  {kind:<12}" + ", ".join(slopes) + f"; worst |predicted/measured - 1| {worst:.3f}; "
-            f"sqrt step time at most {sqrt_time:.2f}x none"
+            f"sqrt step time {min(sqrt_times):.2f}-{max(sqrt_times):.2f}x none "
+            f"(median {statistics.median(sqrt_times):.2f})"
         )
-    if not args.quick:
+    if not args.quick and args.width == 128 and allocated:
         plot(rows, ns)
 
 

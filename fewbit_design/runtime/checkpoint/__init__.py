@@ -54,13 +54,18 @@ def wrap(
     budget: int | str | None = None,
     strategy: str = "optimal",
     selective: bool = False,
+    grads_allocated: bool = False,
     **example_kwargs: Any,
 ) -> torch.nn.Module:
     """Profile, plan and apply in one call: ``apply(blocks, plan(profile(blocks, *example), budget=...))``.
 
+    ``grads_allocated``: plan for steps whose parameters' gradients exist before the backward pass (see
+    :func:`.profile.profile`).
+
     The plan is kept on the result (``.plan`` of a CheckpointedSequential; for a ModuleList, ``blocks.fewbit_plan``).
     """
-    chosen = plan(profile(blocks, *example_inputs, **example_kwargs), budget=budget, strategy=strategy)
+    measured = profile(blocks, *example_inputs, grads_allocated=grads_allocated, **example_kwargs)
+    chosen = plan(measured, budget=budget, strategy=strategy)
     result = apply(blocks, chosen, selective=selective)
     if isinstance(result, torch.nn.ModuleList):
         result.fewbit_plan = chosen

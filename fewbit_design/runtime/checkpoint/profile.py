@@ -5,6 +5,11 @@ Each block runs alone on the output of the previous one (detached), under :func:
 ``torch.utils.checkpoint`` (forward only), then a few times for its forward time. Parameters' gradients, buffers
 (batch-norm statistics) and the random number generator are restored afterwards: profiling leaves the model as it
 found it.
+
+By default the backward pass creates the parameters' gradients (``zero_grad(set_to_none=True)``, torch's default),
+so they count in the step's peak. With ``grads_allocated=True`` the gradients exist before the step (zeroed in
+place with ``zero_grad(set_to_none=False)``, gradient accumulation, DDP's gradient buckets): the backward pass adds
+into them, and the peak is the feature maps' (what checkpointing reduces) plus one transient gradient.
 """
 
 from __future__ import annotations
@@ -78,11 +83,14 @@ class Profile:
         per_block: True for an ``nn.ModuleList`` that a model loops over: it can only be checkpointed block by
             block (segments of one block); False for an ``nn.Sequential`` or a list, which run as one chain.
         device: the device the blocks ran on.
+        grads_allocated: whether the parameters' gradients were allocated before the backward pass (see the module
+            docstring); a step must run the same way for the plan's predictions to hold.
     """
 
     blocks: tuple[BlockProfile, ...]
     per_block: bool = False
     device: str = "cpu"
+    grads_allocated: bool = False
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -94,12 +102,22 @@ class Profile:
 
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dictionary (see :meth:`from_dict`)."""
-        return {"blocks": [asdict(b) for b in self.blocks], "per_block": self.per_block, "device": self.device}
+        return {
+            "blocks": [asdict(b) for b in self.blocks],
+            "per_block": self.per_block,
+            "device": self.device,
+            "grads_allocated": self.grads_allocated,
+        }
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> Profile:
         """The profile that :meth:`to_dict` wrote."""
-        return cls(tuple(BlockProfile(**b) for b in data["blocks"]), bool(data["per_block"]), str(data["device"]))
+        return cls(
+            tuple(BlockProfile(**b) for b in data["blocks"]),
+            bool(data["per_block"]),
+            str(data["device"]),
+            bool(data.get("grads_allocated", False)),
+        )
 
 
 def _first(output: Any) -> torch.Tensor:
@@ -211,7 +229,9 @@ def training_state_kept(module: torch.nn.Module, *, clear_grads: bool = False) -
                 value.copy_(buffers[key])
 
 
-def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwargs: Any) -> Profile:
+def profile(
+    blocks: Any, *example_inputs: Any, repeats: int = 3, grads_allocated: bool = False, **example_kwargs: Any
+) -> Profile:
     """Run each block once on example inputs and measure what it costs (see :class:`BlockProfile`).
 
     Args:
@@ -221,6 +241,9 @@ def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwarg
             of block i (the first element of a tuple) is the first input of block i + 1.
         example_inputs: the chain's input (a tensor), then the extra positional arguments of a ModuleList's blocks.
         repeats: forward runs per block for the median time.
+        grads_allocated: measure the backward pass with the parameters' gradients already allocated (zeros), as in
+            a step after ``zero_grad(set_to_none=False)`` or during gradient accumulation; default False: they are
+            None before the step and created by it.
         example_kwargs: keyword arguments of a ModuleList's blocks.
 
     The example should have the shapes of training (batch, sequence length): bytes scale with them.
@@ -237,6 +260,8 @@ def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwarg
         )
     if not isinstance(repeats, int) or repeats < 1:
         raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
+    if not isinstance(grads_allocated, bool):
+        raise FewBitError(f"grads_allocated must be True or False, got {grads_allocated!r}")
     x = example_inputs[0]
     args = tuple(example_inputs[1:])
     devices = [x.device.index or 0] if x.device.type == "cuda" else []
@@ -244,7 +269,12 @@ def profile(blocks: Any, *example_inputs: Any, repeats: int = 3, **example_kwarg
     with torch.random.fork_rng(devices=devices):
         for module, name in zip(modules, names, strict=True):
             with training_state_kept(module, clear_grads=True):
+                if grads_allocated:
+                    for parameter in module.parameters():
+                        if parameter.requires_grad and parameter.grad is None:  # shared ones once
+                            parameter.grad = torch.zeros_like(parameter)
                 block_profile, output = _measure(module, name, x, args, example_kwargs, repeats)
                 x = output.requires_grad_(output.is_floating_point() and (x.requires_grad or _has_grad(module)))
             results.append(block_profile)
-    return Profile(tuple(results), per_block=per_block, device=str(example_inputs[0].device))
+    device = str(example_inputs[0].device)
+    return Profile(tuple(results), per_block=per_block, device=device, grads_allocated=grads_allocated)
