@@ -22,8 +22,9 @@ is 1.0). Writes ``benchmarks/results/checkpoint_memory.csv`` and ``docs/figures/
 
 The time overhead of recomputation is the share of the step spent in the forward pass of the recomputed blocks. At
 width 32 a block's matrix products are so small that GELU and LayerNorm take most of its forward pass, the forward
-is about 37% of the step, and "sqrt" costs 1.35-1.46x; at width 128 the matrix products dominate, as in real
-models, and it costs about one extra forward (see the README for the measured figures).
+is 34-37% of the step, and "sqrt" cost 1.28-1.46x in one run; at width 128 the matrix products dominate, as in
+real models, and it costs about one extra forward (see the README for the measured figures, and for how glibc's
+allocator makes the step without checkpointing slower).
 
 Timings use one torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads spin against
 other processes and a step gets ten times slower and erratic.
@@ -79,7 +80,8 @@ class TransformerBlock(torch.nn.Module):
 
 
 def make_chain(kind: str, n: int, width: int = 128) -> tuple[torch.nn.Sequential, torch.Tensor]:
-    """n blocks and an input of 65536 x width / 32 ... : 2**16 activations per feature map, whatever the width."""
+    """n blocks and an input with 2**16 values per feature map whatever the width: 2**16 / width rows (MLP), or
+    2**16 / (64 width) sequences of 64 (transformer)."""
     torch.manual_seed(0)
     if kind == "mlp":
         return torch.nn.Sequential(*[MLPBlock(width) for _ in range(n)]), torch.randn(2**16 // width, width)
