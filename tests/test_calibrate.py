@@ -111,20 +111,27 @@ def test_the_cli_designs_from_the_saved_samples(tmp_path):
     assert load(out).weight["kind"] == "empirical"
 
 
-def test_calibrate_keeps_torchs_thread_count():
+_CALIBRATE = (
+    "from fewbit_design import runtime\n"
+    "torch.manual_seed(0)\n"
+    "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())\n"
+    "runtime.calibrate(model, [torch.randn(32, 4)], bits=2)\n"
+)
+_DESIGN = "from fewbit_design.design import design\ndesign('gelu', 3, weight='normal')\n"
+
+
+@pytest.mark.parametrize("work", [_CALIBRATE, _DESIGN], ids=["calibrate", "design"])
+def test_torchs_thread_count_survives_designing(work):
     # numba's parallel design shares the OpenMP runtime with torch and reset its thread count (found by the
-    # real-model benchmark: two 1-thread training processes ran 9x slower after calibrating); a fresh interpreter, so
-    # numba's threading layer starts inside calibrate as it would for a user
+    # real-model benchmark: two 1-thread training processes ran 9x slower after calibrating); design() puts it back.
+    # A fresh interpreter, so numba's threading layer starts inside the call as it would for a user
     import subprocess
     import sys
 
     code = (
         "import torch; torch.set_num_threads(1); torch.get_num_threads()\n"  # as after training: the pool exists
-        "from fewbit_design import runtime\n"
-        "torch.manual_seed(0)\n"
-        "model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())\n"
-        "runtime.calibrate(model, [torch.randn(32, 4)], bits=2)\n"
-        "print(torch.get_num_threads())\n"
+        + work
+        + "print(torch.get_num_threads())\n"
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr

@@ -167,28 +167,22 @@ def calibrate(
     if folder is not None:
         folder.mkdir(parents=True, exist_ok=True)
     tables: dict[str, Table] = {}
-    # numba's parallel DP runs on the OpenMP runtime that torch shares, and resets its thread count: without this,
-    # torch.set_num_threads(1) is lost after calibrating (measured: two 1-thread training processes on 2 cores ran a
-    # GPT-2 step in 2.0 s instead of 0.23 s, each now using 2 spinning OpenMP threads)
-    torch_threads = torch.get_num_threads()
-    try:
-        for name, (_, candidate) in candidates.items():
-            histogram = histograms[name]
-            values = histogram.quantile_samples(samples)
-            if folder is not None:
-                np.save(folder / f"{name}.npy", values)
-                histogram.save(folder / f"{name}.npz")
-            span_low, span_high = min(low, float(values.min())), max(high, float(values.max()))
-            tables[name] = design(
-                candidate.activation,
-                bits,
-                params=candidate.params,
-                weight="empirical",
-                samples=values,
-                low=span_low,
-                high=span_high,
-                mode=mode,
-            )
-    finally:
-        torch.set_num_threads(torch_threads)
+    for name, (_, candidate) in candidates.items():
+        histogram = histograms[name]
+        values = histogram.quantile_samples(samples)
+        if folder is not None:
+            np.save(folder / f"{name}.npy", values)
+            histogram.save(folder / f"{name}.npz")
+        span_low, span_high = min(low, float(values.min())), max(high, float(values.max()))
+        # design() puts torch's thread count back after numba's OpenMP pool has reset it
+        tables[name] = design(
+            candidate.activation,
+            bits,
+            params=candidate.params,
+            weight="empirical",
+            samples=values,
+            low=span_low,
+            high=span_high,
+            mode=mode,
+        )
     return tables
