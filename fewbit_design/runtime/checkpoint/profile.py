@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ...errors import FewBitError
+from ...errors import FewBitError, check_choice
 from .. import memory
 
 __all__ = ["BlockProfile", "Profile", "profile", "training_state_kept"]
@@ -211,18 +211,21 @@ def _blocks_of(blocks: Any) -> tuple[list[torch.nn.Module], list[str], bool]:
 
 
 @contextlib.contextmanager
-def training_state_kept(module: torch.nn.Module, *, clear_grads: bool = False) -> Iterator[None]:
+def training_state_kept(module: torch.nn.Module, *, grads: str = "kept") -> Iterator[None]:
     """Run a measurement on ``module`` and put back its parameters' gradients and its buffers (batch-norm running
-    statistics) afterwards; with ``clear_grads`` the gradients are None during the block."""
-    grads = {p: p.grad for p in module.parameters()}
+    statistics) afterwards. During the block the gradients are as they were (``grads="kept"``), None (``"none"``:
+    the backward pass creates them) or zeros (``"zeros"``: it adds into them; parameters that need a gradient)."""
+    grads = check_choice("grads", grads, ("kept", "none", "zeros"))
+    saved = {p: p.grad for p in module.parameters()}
     buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
-    if clear_grads:
-        for parameter in grads:
-            parameter.grad = None
+    if grads != "kept":
+        for parameter in saved:
+            zeros = grads == "zeros" and parameter.requires_grad
+            parameter.grad = torch.zeros_like(parameter) if zeros else None
     try:
         yield
     finally:
-        for parameter, grad in grads.items():
+        for parameter, grad in saved.items():
             parameter.grad = grad
         with torch.no_grad():
             for key, value in module.named_buffers():
@@ -268,11 +271,7 @@ def profile(
     results = []
     with torch.random.fork_rng(devices=devices):
         for module, name in zip(modules, names, strict=True):
-            with training_state_kept(module, clear_grads=True):
-                if grads_allocated:
-                    for parameter in module.parameters():
-                        if parameter.requires_grad and parameter.grad is None:  # shared ones once
-                            parameter.grad = torch.zeros_like(parameter)
+            with training_state_kept(module, grads="zeros" if grads_allocated else "none"):
                 block_profile, output = _measure(module, name, x, args, example_kwargs, repeats)
                 x = output.requires_grad_(output.is_floating_point() and (x.requires_grad or _has_grad(module)))
             results.append(block_profile)
