@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import difflib
 import math
-from collections.abc import Iterable
+import numbers
+import re
+from collections.abc import Callable, Iterable
+from typing import Any
 
 __all__ = [
     "FewBitError",
@@ -17,8 +20,16 @@ __all__ = [
     "check_range",
     "check_positive",
     "check_finite",
+    "check_integer",
+    "check_number",
+    "check_boolean",
+    "check_string",
+    "check_keys",
     "close_matches",
     "parse_int_spec",
+    "parse_budget",
+    "resolve_budget",
+    "show",
 ]
 
 
@@ -106,3 +117,172 @@ def parse_int_spec(text: object, *, name: str = "bits", low: int = 1, high: int 
             raise FewBitError(f"{name} must be from {low} to {high}, got {text!r}")
         values.update(range(first, last + 1))
     return sorted(values)
+
+
+# --- strict types (values read from JSON files: a count is a JSON integer, a flag a JSON boolean) ----------------
+
+
+def show(value: object, limit: int = 60) -> str:
+    """``repr(value)`` cut to ``limit`` characters, for error messages about values of any size."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int beyond str()'s digit limit
+        text = f"<an integer of {value.bit_length()} bits>" if isinstance(value, int) else f"<{type(value).__name__}>"
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _integer_bounds(low: int | None, high: int | None) -> str:
+    if low is not None and high is not None:
+        return f" from {low} to {high}"
+    if low is not None:
+        return f" >= {low}"
+    return f" <= {high}" if high is not None else ""
+
+
+def check_integer(name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
+    """An integer in [low, high]: not a bool, not a float such as ``3.0`` and not a string (a JSON integer).
+
+    >>> check_integer("start", 3, low=0)
+    3
+    """
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise FewBitError(f"{name} must be an integer{_integer_bounds(low, high)}, got {show(value)}")
+    number = int(value)
+    if (low is not None and number < low) or (high is not None and number > high):
+        raise FewBitError(f"{name} must be an integer{_integer_bounds(low, high)}, got {show(number)}")
+    return number
+
+
+def check_number(name: str, value: object, *, low: float | None = None, allow_nan: bool = False) -> float:
+    """A finite real number (an int or a float, not a bool or a string) >= ``low``; NaN too when ``allow_nan``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise FewBitError(f"{name} must be a number{'' if low is None else f' >= {low:g}'}, got {show(value)}")
+    try:
+        number = float(value)
+    except OverflowError:
+        raise FewBitError(f"{name} must be a finite number, got {show(value)}") from None
+    if math.isnan(number) and allow_nan:
+        return number
+    if not math.isfinite(number):
+        raise FewBitError(f"{name} must be a finite number, got {show(value)}")
+    if low is not None and number < low:
+        raise FewBitError(f"{name} must be a number >= {low:g}, got {show(value)}")
+    return number
+
+
+def check_boolean(name: str, value: object) -> bool:
+    """``True`` or ``False`` itself (a JSON boolean): not ``"no"``, not ``0``."""
+    if not isinstance(value, bool):
+        raise FewBitError(f"{name} must be true or false, got {show(value)}")
+    return value
+
+
+def check_string(name: str, value: object) -> str:
+    if not isinstance(value, str):
+        raise FewBitError(f"{name} must be a string, got {show(value)}")
+    return value
+
+
+def check_keys(name: str, data: object, required: Iterable[str], optional: Iterable[str] = ()) -> dict[str, Any]:
+    """``data`` is a dict (a JSON object) with every key of ``required`` and none beyond ``required`` and
+    ``optional``; returns it."""
+    if not isinstance(data, dict):
+        raise FewBitError(f"{name} must be an object (a dict), got {show(data)}")
+    required, optional = list(required), list(optional)
+    missing = [key for key in required if key not in data]
+    if missing:
+        listed = ", ".join(repr(key) for key in missing[:-1]) + " and " if len(missing) > 1 else ""
+        raise FewBitError(f"{name} lacks {listed}{missing[-1]!r}")
+    unknown = [key for key in data if key not in required and key not in optional]
+    if unknown:
+        allowed = ", ".join(repr(key) for key in required + optional)
+        raise FewBitError(f"{name} has an unknown field {show(unknown[0])} (allowed: {allowed})")
+    return data
+
+
+# --- memory budgets ----------------------------------------------------------------------------------------------
+
+BYTE_UNITS = {
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KiB": 2**10,
+    "MiB": 2**20,
+    "GiB": 2**30,
+    "TiB": 2**40,
+}
+_BUDGET = re.compile(r"(\d{1,20}(?:\.\d{1,20})?)\s*([A-Za-z]+)?")
+_BUDGET_FORMS = "bytes (an integer, or a string like '2GiB', '512MiB', '1.5GB'), a fraction in (0, 1] or 'min'"
+
+
+def parse_budget(budget: object, *, name: str = "budget") -> int | float | str:
+    """The one syntax of memory budgets (``checkpoint.plan``, ``plan_memory``, ``fewbit-design memory --budget``).
+
+    * bytes: a positive integer, or a string holding a whole number (``"1000"``) or a number with a unit, decimal
+      (``KB MB GB TB``) or binary (``KiB MiB GiB TiB``), like ``"2GiB"``, ``"512 MiB"``, ``"1.5GB"``; units are
+      written exactly so (``"2gib"`` is refused with a hint: ``b`` means bits elsewhere);
+    * a fraction of the unconverted peak: a float in (0, 1], or a string with a decimal point (``"0.5"``);
+    * ``"min"`` (in any case): the smallest feasible peak.
+
+    Returns bytes as an int, a fraction as a float, or ``"min"``; :func:`resolve_budget` turns it into bytes.
+
+    >>> parse_budget("1.5GB"), parse_budget("512MiB"), parse_budget(4096), parse_budget("0.5"), parse_budget("Min")
+    (1500000000, 536870912, 4096, 0.5, 'min')
+    """
+    if isinstance(budget, bool) or budget is None:
+        raise FewBitError(f"{name} must be {_BUDGET_FORMS}; got {show(budget)}")
+    if isinstance(budget, numbers.Integral):
+        if budget <= 0:
+            raise FewBitError(f"{name} must be > 0 bytes, got {show(budget)}")
+        return int(budget)
+    if isinstance(budget, numbers.Real):
+        fraction = float(budget)
+        if not 0 < fraction <= 1:  # NaN fails too
+            raise FewBitError(
+                f"{name} given as a float is a fraction of the unconverted peak and must be in (0, 1], got "
+                f"{show(budget)} (give bytes as an integer or a string like '2GiB')"
+            )
+        return fraction
+    if not isinstance(budget, str):
+        raise FewBitError(f"{name} must be {_BUDGET_FORMS}; got a {type(budget).__name__}")
+    text = budget.strip()
+    if text.lower() == "min":
+        return "min"
+    match = _BUDGET.fullmatch(text)
+    if match is None:
+        raise FewBitError(f"{name} must be {_BUDGET_FORMS}; got {show(budget)}")
+    number, unit = match.groups()
+    if unit is None and "." in number:
+        fraction = float(number)
+        if not 0 < fraction <= 1:
+            raise FewBitError(
+                f"{name} {show(budget)} has a decimal point, so it is a fraction of the unconverted peak, which must "
+                "be in (0, 1] (bytes are a whole number, or a number with a unit like '1.5GB')"
+            )
+        return fraction
+    if unit is not None and unit not in BYTE_UNITS:
+        hint = [u for u in BYTE_UNITS if u.lower() == unit.lower()]
+        suggestion = f"; did you mean '{number}{hint[0]}'?" if hint else ""
+        raise FewBitError(
+            f"{name} has an unknown unit {unit!r} in {show(budget)}: units are {', '.join(BYTE_UNITS)}{suggestion}"
+        )
+    scale = BYTE_UNITS[unit or "B"]
+    if "." in number and scale == 1:
+        raise FewBitError(f"{name} in bytes must be a whole number, got {show(budget)}")
+    value = int(float(number) * scale) if "." in number else int(number) * scale
+    if value <= 0:
+        raise FewBitError(f"{name} must be > 0 bytes, got {show(budget)}")
+    return value
+
+
+def resolve_budget(budget: object, *, unconverted: int, minimum: Callable[[], int], name: str = "budget") -> int:
+    """Bytes from any form :func:`parse_budget` reads: a fraction is of ``unconverted`` (the peak without the
+    technique), ``"min"`` is ``minimum()`` (computed only then)."""
+    value = parse_budget(budget, name=name)
+    if value == "min":
+        return int(minimum())
+    if isinstance(value, float):
+        return max(int(value * unconverted), 1)
+    return int(value)

@@ -31,6 +31,8 @@ __all__ = [
     "loads",
     "format_float",
     "read_table_text",
+    "read_json_text",
+    "load_json",
     "check_numbers",
     "MAX_TABLE_BYTES",
     "MAX_NESTING",
@@ -270,30 +272,60 @@ def _nesting_depth(text: str) -> int:
 
 def read_table_text(path: str | os.PathLike) -> str:
     """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing."""
+    return read_json_text(
+        path,
+        what="table file",
+        max_bytes=MAX_TABLE_BYTES,
+        size_note=" (the largest shipped table is under 20 KB): not a table file",
+        nesting_note=" (a table nests 3 deep): not a table file",
+    )
+
+
+def read_json_text(
+    path: str | os.PathLike,
+    *,
+    what: str,
+    max_bytes: int,
+    max_nesting: int = MAX_NESTING,
+    size_note: str = "",
+    nesting_note: str = "",
+) -> str:
+    """The text of a JSON data file (a table, a plan: ``what`` names it in errors), as UTF-8, checked against
+    ``max_bytes`` and ``max_nesting`` before it is parsed: every failure is one :class:`FewBitError`."""
     path = Path(path)
     try:
         size = path.stat().st_size
-        if size > MAX_TABLE_BYTES:
+        if size > max_bytes:
             raise FewBitError(
-                f"table file {str(path)!r}: file size {size} bytes exceeds the limit of {MAX_TABLE_BYTES} bytes "
-                "(the largest shipped table is under 20 KB): not a table file"
+                f"{what} {str(path)!r}: file size {size} bytes exceeds the limit of {max_bytes} bytes{size_note}"
             )
         with path.open("rb") as handle:
-            data = handle.read(MAX_TABLE_BYTES + 1)
+            data = handle.read(max_bytes + 1)
         text = data.decode("utf-8")
     except FileNotFoundError:
-        raise FewBitError(f"table file {str(path)!r} does not exist") from None
+        raise FewBitError(f"{what} {str(path)!r} does not exist") from None
     except (OSError, UnicodeDecodeError) as exc:
-        raise FewBitError(f"table file {str(path)!r} cannot be read: {exc}") from None
-    if len(data) > MAX_TABLE_BYTES:
-        raise FewBitError(f"table file {str(path)!r}: file size exceeds the limit of {MAX_TABLE_BYTES} bytes")
+        raise FewBitError(f"{what} {str(path)!r} cannot be read: {exc}") from None
+    if len(data) > max_bytes:
+        raise FewBitError(f"{what} {str(path)!r}: file size exceeds the limit of {max_bytes} bytes")
     depth = _nesting_depth(text)
-    if depth > MAX_NESTING:
+    if depth > max_nesting:
         raise FewBitError(
-            f"table file {str(path)!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
-            "(a table nests 3 deep): not a table file"
+            f"{what} {str(path)!r}: JSON nesting depth {depth} exceeds the limit of {max_nesting}{nesting_note}"
         )
     return text
+
+
+def load_json(path: str | os.PathLike, *, what: str, max_bytes: int, max_nesting: int = MAX_NESTING) -> Any:
+    """Parse a JSON data file read by :func:`read_json_text` (data only: no pickle, no eval). Integers beyond
+    Python's digit limit (4300) and malformed JSON are one :class:`FewBitError` naming the file."""
+    text = read_json_text(path, what=what, max_bytes=max_bytes, max_nesting=max_nesting)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise FewBitError(f"{what} {str(path)!r} is not JSON ({exc.msg} at line {exc.lineno})") from None
+    except ValueError as exc:  # an integer literal over the digit limit
+        raise FewBitError(f"{what} {str(path)!r} cannot be parsed: {exc}") from None
 
 
 def check_numbers(data: Any, source: str) -> None:
