@@ -1,13 +1,20 @@
 """Shared validators: messages name the value and the constraint."""
 
+import math
+
 import pytest
 
 from fewbit_design.errors import (
     FewBitError,
     check_bits,
+    check_boolean,
     check_choice,
+    check_integer,
+    check_keys,
+    check_number,
     check_positive,
     check_range,
+    check_string,
     close_matches,
     parse_int_spec,
 )
@@ -54,3 +61,32 @@ def test_parse_int_spec(text, expected):
 def test_parse_int_spec_rejects(text):
     with pytest.raises(FewBitError):
         parse_int_spec(text)
+
+
+@pytest.mark.parametrize(
+    ("check", "value", "message"),
+    [
+        (lambda v: check_integer("start", v, low=0), -1, "start must be an integer >= 0, got -1"),
+        (lambda v: check_integer("start", v, low=0), 2.0, "start must be an integer >= 0, got 2.0"),
+        (lambda v: check_integer("start", v, low=0), True, "got True"),
+        (lambda v: check_integer("bits", v, low=1, high=8), "3", "bits must be an integer from 1 to 8, got '3'"),
+        pytest.param(lambda v: check_integer("n", v, high=0), 10**5000, "an integer of 16610 bits", id="huge"),
+        (lambda v: check_number("seconds", v, low=0), float("inf"), "seconds must be a finite number"),
+        (lambda v: check_number("seconds", v, low=0), "1.5", "seconds must be a number >= 0, got '1.5'"),
+        (lambda v: check_boolean("checkpoint", v), "no", "checkpoint must be true or false, got 'no'"),
+        (lambda v: check_boolean("checkpoint", v), 0, "got 0"),
+        (lambda v: check_string("name", v), 3, "name must be a string, got 3"),
+        (lambda v: check_keys("segment", v, ("start",), ("children",)), {"stop": 1}, "segment lacks 'start'"),
+        (lambda v: check_keys("segment", v, ("start",)), {"start": 1, "x": 2}, "unknown field 'x'"),
+        (lambda v: check_keys("segment", v, ("start",)), [1], r"segment must be an object \(a dict\), got \[1\]"),
+    ],
+)
+def test_strict_json_validators(check, value, message):
+    with pytest.raises(FewBitError, match=message):
+        check(value)
+
+
+def test_strict_json_validators_accept():
+    assert check_integer("n", 3, low=0, high=3) == 3 and check_number("t", 2, low=0) == 2.0
+    assert check_boolean("flag", False) is False and check_keys("d", {"a": 1}, ("a",), ("b",)) == {"a": 1}
+    assert math.isnan(check_number("t", float("nan"), allow_nan=True))
