@@ -392,6 +392,38 @@ def test_selective_recomputation_keeps_matrix_products(one_torch_thread):
     assert full < selective < plain  # keeps the matmul outputs, drops GELU and LayerNorm results
 
 
+def test_torch_compile_of_a_checkpointed_model(one_torch_thread):
+    # regression: Dynamo refused the context_fn closure that keeps batch-norm statistics ("checkpoint not
+    # implemented for NestedUserFunctionVariable context_fn") at the first call of a compiled checkpointed model
+    blocks = chain(4, batch_norm=True)
+    plain = copy.deepcopy(blocks)
+    x = torch.randn(16, WIDTH)
+    plan = checkpoint.plan(checkpoint.profile(blocks, x), strategy="sqrt")
+    assert plan.checkpointed
+    compiled = torch.compile(checkpoint.apply(blocks, plan), backend="aot_eager")
+    for got, want in zip(gradients(compiled, x), gradients(plain, x), strict=True):
+        torch.testing.assert_close(got, want)
+    for got, want in zip(blocks.buffers(), plain.buffers(), strict=True):  # statistics updated once
+        torch.testing.assert_close(got, want)
+    # the in-place ModuleList form (per-block checkpointed forwards), with selective recomputation
+    layers = torch.nn.ModuleList(list(chain(3)))
+    reference = copy.deepcopy(layers)
+    by_hand = checkpoint.Plan((Segment(0, 1, True), Segment(1, 2, True), Segment(2, 3, False)), "by hand", 0, 0, 0, 0)
+    checkpoint.apply(layers, by_hand, selective=True)
+
+    def run(blocks):
+        h = x
+        for block in blocks:
+            h = block(h)
+        return h
+
+    compiled_loop = torch.compile(run, backend="aot_eager")
+    compiled_loop(layers).pow(2).sum().backward()
+    run(reference).pow(2).sum().backward()
+    for got, want in zip(layers.parameters(), reference.parameters(), strict=True):
+        torch.testing.assert_close(got.grad, want.grad)
+
+
 def test_gpt2_trains_with_wrap_on_its_blocks():
     transformers = pytest.importorskip("transformers", reason="transformers is not installed")
     torch.manual_seed(0)

@@ -232,7 +232,7 @@ def test_load_plan_errors(tmp_path):
     bad.write_text('{"format": "other"}')
     with pytest.raises(FewBitError, match="format"):
         load_plan(bad)
-    with pytest.raises(FewBitError, match="cannot read"):
+    with pytest.raises(FewBitError, match="missing.json' does not exist"):
         load_plan(tmp_path / "missing.json")
 
 

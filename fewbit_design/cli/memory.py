@@ -18,7 +18,7 @@ from typing import Any
 
 import click
 
-from ..errors import FewBitError
+from ..errors import FewBitError, parse_budget
 from ..table import check_writable, write_bytes_atomic, write_text_atomic
 from ._options import cli
 
@@ -81,18 +81,6 @@ def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
             if name not in chosen:
                 chosen.append(name)
     return tuple(chosen) if chosen else TECHNIQUES
-
-
-def _budget(text: str | None) -> Any:
-    if text is None:
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        return text
-    if "." in text and 0 < value <= 1:
-        return value  # a fraction of the unconverted peak
-    return text
 
 
 def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> None:
@@ -171,6 +159,7 @@ def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measur
     """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget."""
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
+    budget_value = None if budget is None else parse_budget(budget, name="--budget")  # the planner's own syntax
     for path in (plot_path, save_path):
         if path is not None:
             check_writable(path, force=force)
@@ -183,11 +172,6 @@ def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measur
 
     from ..runtime import planner
 
-    budget_value = _budget(budget)
-    if isinstance(budget_value, str) and budget_value.strip().lower() != "min":
-        from ..runtime.checkpoint import parse_budget
-
-        budget_value = parse_budget(budget_value)  # a bad budget fails before the model is profiled
     model = _build(function, factory)
     generator = torch.Generator().manual_seed(0)
     if vocab is not None:

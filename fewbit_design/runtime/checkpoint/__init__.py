@@ -9,10 +9,12 @@
 >>> plan = checkpoint.plan(profile, strategy="sqrt")
 >>> model = checkpoint.apply(blocks, plan)          # or checkpoint.wrap(blocks, x, budget="1MiB")
 >>> model(x).sum().backward()
+>>> plan.save("plan.json"); model = checkpoint.apply(blocks, checkpoint.load_plan("plan.json"))  # doctest: +SKIP
 
 This package owns the chain's cost model and the checkpoint schedules: ``profile.py`` (measure blocks),
 ``cost.py`` (the peak/time model of a schedule, pure Python), ``plan.py`` (strategies: none, sqrt, greedy,
-recursive, optimal DP; budgets), ``apply.py`` (run a plan with ``torch.utils.checkpoint``). It imports torch,
+recursive, optimal DP; budgets; the plan file), ``apply.py`` (run a plan with ``torch.utils.checkpoint``),
+``fingerprint.py`` (what a plan was made for, checked when it is applied). It imports torch,
 numpy, the project's errors and :mod:`fewbit_design.runtime.memory`, nothing else of the runtime. For the memory
 planner: :class:`Profile` / :class:`BlockProfile` hold per-block saved bytes, output bytes and time, and
 :func:`predict` gives the peak bytes and extra time of any set of segments.
@@ -26,7 +28,7 @@ import torch
 
 from .apply import CheckpointedSequential, apply, remove
 from .cost import Prediction, Segment, predict
-from .plan import STRATEGIES, Plan, minimum_budget, parse_budget, plan
+from .plan import STRATEGIES, Plan, load_plan, minimum_budget, parse_budget, plan
 from .profile import BlockProfile, Profile, profile
 
 __all__ = [
@@ -38,6 +40,7 @@ __all__ = [
     "STRATEGIES",
     "Segment",
     "apply",
+    "load_plan",
     "minimum_budget",
     "parse_budget",
     "plan",

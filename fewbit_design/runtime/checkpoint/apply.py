@@ -27,6 +27,7 @@ from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selectiv
 
 from ...errors import FewBitError
 from .cost import Segment
+from .fingerprint import check_fingerprint
 from .plan import Plan
 
 __all__ = ["CheckpointedSequential", "CheckpointedForward", "apply", "remove", "KEEP_OPS"]
@@ -97,6 +98,21 @@ def _context_fn(modules: Sequence[torch.nn.Module], selective: bool) -> Callable
     return context_fn
 
 
+def _checkpoint_options(modules: Sequence[torch.nn.Module], selective: bool) -> dict[str, Any]:
+    """``torch.utils.checkpoint`` keyword arguments for a segment of ``modules``.
+
+    Eager: a ``context_fn`` that keeps batch-norm statistics through recomputation (and selects what to keep when
+    ``selective``). Under ``torch.compile`` Dynamo accepts only a plain function or a ``functools.partial`` as
+    ``context_fn`` and only selective-checkpoint contexts, and its graph updates batch-norm statistics once anyway
+    (the recomputed graph is functional), so the compiled form passes none (plain recomputation) or the selective
+    policy alone."""
+    if torch.compiler.is_compiling():
+        if selective:
+            return {"context_fn": functools.partial(create_selective_checkpoint_contexts, _keep_costly)}
+        return {}
+    return {"context_fn": _context_fn(modules, selective)}
+
+
 def _checkpointing(module: torch.nn.Module) -> bool:
     return torch.is_grad_enabled() and module.training
 
@@ -113,6 +129,22 @@ class CheckpointedSequential(torch.nn.Sequential):
         self.plan = plan
         self.selective = selective
 
+    @property
+    def plan(self) -> Plan:
+        """The plan it runs. Setting it checks the new plan (:meth:`Plan.validate`) and keeps a frozen copy of its
+        segments, so changing the plan object afterwards changes nothing until it is set again."""
+        return self._plan
+
+    @plan.setter
+    def plan(self, plan: Plan) -> None:
+        if not isinstance(plan, Plan):
+            raise FewBitError(f"a CheckpointedSequential runs a checkpoint Plan, got {type(plan).__name__}")
+        segments = plan.validate()
+        if segments[-1].stop != len(self):
+            raise FewBitError(f"the plan is for {segments[-1].stop} blocks, but {len(self)} were given")
+        self._segments = segments
+        self._plan = plan
+
     def __getitem__(self, index):
         if isinstance(index, slice):  # a part of the chain: the plan does not apply to it
             return torch.nn.Sequential(OrderedDict(list(self._modules.items())[index]))
@@ -121,7 +153,7 @@ class CheckpointedSequential(torch.nn.Sequential):
     def forward(self, x: Any) -> Any:  # noqa: D102 (nn.Module.forward)
         if not _checkpointing(self):
             return super().forward(x)
-        return self._run(self.plan.segments, x)
+        return self._run(self._segments, x)
 
     def _run(self, segments: Sequence[Segment], x: Any) -> Any:
         blocks = list(self)
@@ -132,7 +164,7 @@ class CheckpointedSequential(torch.nn.Sequential):
                     functools.partial(self._run, children),
                     x,
                     use_reentrant=False,
-                    context_fn=_context_fn(blocks[segment.start : segment.stop], self.selective),
+                    **_checkpoint_options(blocks[segment.start : segment.stop], self.selective),
                 )
             else:
                 for block in blocks[segment.start : segment.stop]:
@@ -156,8 +188,8 @@ class CheckpointedForward:
         original = functools.partial(type(module).forward, module)
         if not _checkpointing(module):
             return original(*args, **kwargs)
-        context_fn = _context_fn([module], self.selective)
-        return checkpoint(original, *args, use_reentrant=False, context_fn=context_fn, **kwargs)
+        options = _checkpoint_options([module], self.selective)
+        return checkpoint(original, *args, use_reentrant=False, **options, **kwargs)
 
 
 def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Module:
@@ -187,29 +219,33 @@ def apply(blocks: Any, plan: Plan, *, selective: bool = False) -> torch.nn.Modul
     """
     if not isinstance(plan, Plan):
         raise FewBitError(f"apply needs a Plan from plan(), got {type(plan).__name__}")
-    n = plan.segments[-1].stop if plan.segments else 0
+    segments = plan.validate()  # a plan built or edited by hand is checked here too
+    n = segments[-1].stop
     if isinstance(blocks, torch.nn.ModuleList):
         if len(blocks) != n:
             raise FewBitError(f"the plan is for {n} blocks, but the ModuleList has {len(blocks)}")
-        long = [(s.start, s.stop) for s in plan.segments if s.checkpoint and (s.stop - s.start > 1 or s.children)]
+        long = [(s.start, s.stop) for s in segments if s.checkpoint and (s.stop - s.start > 1 or s.children)]
         if long:
             raise FewBitError(
                 f"an nn.ModuleList is checkpointed block by block, but the plan has multi-block segments {long}; "
                 "plan it from a profile of the ModuleList"
             )
+        check_fingerprint(plan.fingerprint, list(blocks), [str(i) for i in range(len(blocks))], "the checkpoint plan")
         remove(blocks)
-        for segment in plan.segments:
+        for segment in segments:
             if segment.checkpoint:
                 block = blocks[segment.start]
                 block.forward = CheckpointedForward(block, selective)
         return blocks
     if isinstance(blocks, CheckpointedSequential):
-        blocks = list(blocks)
+        blocks = torch.nn.Sequential(OrderedDict(blocks._modules))
     if isinstance(blocks, torch.nn.Sequential) or (
         isinstance(blocks, Sequence) and all(isinstance(b, torch.nn.Module) for b in blocks)
     ):
         if len(blocks) != n:
             raise FewBitError(f"the plan is for {n} blocks, but {len(blocks)} were given")
+        names = list(blocks._modules) if isinstance(blocks, torch.nn.Sequential) else [str(i) for i in range(n)]
+        check_fingerprint(plan.fingerprint, list(blocks), names, "the checkpoint plan")
         return CheckpointedSequential(blocks, plan, selective=selective)
     raise FewBitError(
         f"blocks must be an nn.Sequential, an nn.ModuleList or a list of modules, got {type(blocks).__name__}"

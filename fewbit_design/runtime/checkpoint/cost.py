@@ -23,10 +23,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
+from ...errors import FewBitError, check_boolean, check_integer, check_keys, show
 from .profile import BlockProfile, Profile
 
-__all__ = ["Segment", "Prediction", "predict"]
+__all__ = ["Segment", "Prediction", "predict", "check_segments", "MAX_SEGMENT_DEPTH"]
+
+#: nested checkpoints a plan may have (the recursive strategy nests log2(n) deep; a plan nesting deeper is not one)
+MAX_SEGMENT_DEPTH = 32
 
 
 @dataclass(frozen=True)
@@ -46,9 +51,24 @@ class Segment:
         return data
 
     @classmethod
-    def from_dict(cls, data: dict) -> Segment:
-        children = tuple(cls.from_dict(c) for c in data.get("children", ()))
-        return cls(int(data["start"]), int(data["stop"]), bool(data["checkpoint"]), children)
+    def from_dict(cls, data: Any, *, where: str = "segment", depth: int = 0) -> Segment:
+        """The segment that :meth:`to_dict` wrote, with strict types (``start``/``stop`` JSON integers,
+        ``checkpoint`` a JSON boolean); whether segments tile their blocks is :func:`check_segments`' part."""
+        check_keys(where, data, ("start", "stop", "checkpoint"), ("children",))
+        children = data.get("children", [])
+        if not isinstance(children, list):
+            raise FewBitError(f"{where}.children must be a list of segments, got {show(children)}")
+        if children and depth >= MAX_SEGMENT_DEPTH:
+            raise FewBitError(f"{where}: segments nest more than {MAX_SEGMENT_DEPTH} deep")
+        return cls(
+            check_integer(f"{where}.start", data["start"], low=0),
+            check_integer(f"{where}.stop", data["stop"], low=0),
+            check_boolean(f"{where}.checkpoint", data["checkpoint"]),
+            tuple(
+                cls.from_dict(child, where=f"{where}.children[{k}]", depth=depth + 1)
+                for k, child in enumerate(children)
+            ),
+        )
 
 
 @dataclass
@@ -151,7 +171,7 @@ def predict(profile: Profile | Sequence[BlockProfile], segments: Sequence[Segmen
     bytes at each block's forward and backward peak, for plots and debugging).
     """
     blocks = profile.blocks if isinstance(profile, Profile) else tuple(profile)
-    _check_cover(segments, 0, len(blocks))
+    segments = check_segments(segments, 0, len(blocks))
     replay = _Replay(blocks, record=timeline)
     replay.forward(segments, keep_saved=True)
     forward_peak = replay.peak
@@ -166,17 +186,45 @@ def predict(profile: Profile | Sequence[BlockProfile], segments: Sequence[Segmen
     )
 
 
-def _check_cover(segments: Sequence[Segment], start: int, stop: int) -> None:
-    from ...errors import FewBitError
-
+def check_segments(
+    segments: Any, start: int, stop: int, *, where: str = "segments", depth: int = 0
+) -> tuple[Segment, ...]:
+    """Check that ``segments`` tile blocks ``start`` .. ``stop - 1`` in order (no gap, no overlap, none empty),
+    with strict types, children only under checkpointed segments (tiling their parent's blocks) and at most
+    :data:`MAX_SEGMENT_DEPTH` levels; return them as a tuple of frozen segments (children tuples too), so a later
+    change to the lists they came in changes nothing."""
+    if not isinstance(segments, tuple | list):
+        raise FewBitError(f"{where} must be a list of Segment, got {show(segments)}")
+    span = f"blocks {start}..{stop - 1} in order, without gaps or overlaps"
+    if not segments:
+        raise FewBitError(f"{where} is empty: segments must cover {span}")
+    if depth > MAX_SEGMENT_DEPTH:
+        raise FewBitError(f"{where}: segments nest more than {MAX_SEGMENT_DEPTH} deep")
+    checked = []
     position = start
-    for segment in segments:
-        if segment.start != position or segment.stop <= segment.start:
-            raise FewBitError(f"segments must cover blocks {start}..{stop - 1} in order, got {list(segments)}")
+    for index, segment in enumerate(segments):
+        here = f"{where}[{index}]"
+        if not isinstance(segment, Segment):
+            raise FewBitError(f"{here} must be a Segment, got {show(segment)}")
+        first = check_integer(f"{here}.start", segment.start, low=0)
+        last = check_integer(f"{here}.stop", segment.stop, low=0)
+        checkpointed = check_boolean(f"{here}.checkpoint", segment.checkpoint)
+        if first != position:
+            before = f"{where}[{index - 1}] ends at {position}" if index else f"the first must start at {start}"
+            raise FewBitError(f"{here} starts at {first} but {before}: segments must cover {span}")
+        if last <= first:
+            raise FewBitError(f"{here} is empty (start {first}, stop {last}): segments must cover {span}")
+        if last > stop:
+            raise FewBitError(f"{here} ends at {last}, beyond block {stop - 1}: segments must cover {span}")
+        children: tuple[Segment, ...] = ()
+        if not isinstance(segment.children, tuple | list):
+            raise FewBitError(f"{here}.children must be a list of Segment, got {show(segment.children)}")
         if segment.children:
-            if not segment.checkpoint:
-                raise FewBitError(f"only a checkpointed segment may have children, got {segment}")
-            _check_cover(segment.children, segment.start, segment.stop)
-        position = segment.stop
+            if not checkpointed:
+                raise FewBitError(f"{here} has children but is not checkpointed: only a checkpointed segment may")
+            children = check_segments(segment.children, first, last, where=f"{here}.children", depth=depth + 1)
+        checked.append(Segment(first, last, checkpointed, children))
+        position = last
     if position != stop:
-        raise FewBitError(f"segments must cover blocks {start}..{stop - 1} in order, got {list(segments)}")
+        raise FewBitError(f"{where} end at block {position - 1}: segments must cover {span}")
+    return tuple(checked)

@@ -20,62 +20,36 @@ Every plan's peak and extra time come from :func:`.cost.predict`, the same model
 
 from __future__ import annotations
 
+import json
 import math
-import re
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from ...errors import FewBitError, check_choice
-from .cost import Segment, predict
+from ...errors import (
+    FewBitError,
+    check_choice,
+    check_integer,
+    check_keys,
+    check_number,
+    check_string,
+    parse_budget,
+    resolve_budget,
+    show,
+)
+from .cost import Segment, check_segments, predict
+from .fingerprint import BlockFingerprint, check_fingerprint_value, fingerprint_from_json
 from .profile import Profile
 
-__all__ = ["Plan", "STRATEGIES", "parse_budget", "plan", "format_bytes", "minimum_budget"]
+__all__ = ["Plan", "STRATEGIES", "FORMAT", "parse_budget", "plan", "format_bytes", "minimum_budget", "load_plan"]
 
 STRATEGIES = ("none", "sqrt", "greedy", "recursive", "optimal")
-
-_UNITS = {
-    "B": 1,
-    "KB": 10**3,
-    "MB": 10**6,
-    "GB": 10**9,
-    "TB": 10**12,
-    "KiB": 2**10,
-    "MiB": 2**20,
-    "GiB": 2**30,
-    "TiB": 2**40,
-}
-_BUDGET = re.compile(r"(\d+(?:\.\d+)?)\s*(B|KB|MB|GB|TB|KiB|MiB|GiB|TiB)?")
-
-
-def parse_budget(budget: object) -> int:
-    """Bytes from an int or a string such as ``"2GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1000"`` (bytes).
-
-    >>> parse_budget("1.5GB"), parse_budget("512MiB"), parse_budget(4096)
-    (1500000000, 536870912, 4096)
-    """
-    if isinstance(budget, bool):
-        raise FewBitError(f"budget must be a number of bytes or a string like '2GiB', got {budget!r}")
-    if isinstance(budget, int):
-        value = budget
-    elif isinstance(budget, str):
-        match = _BUDGET.fullmatch(budget.strip())
-        if match is None:
-            raise FewBitError(
-                f"budget must be a number of bytes or a number with a unit ({', '.join(_UNITS)}), like '2GiB', "
-                f"got {budget!r}"
-            )
-        number, unit = match.groups()
-        if (unit in (None, "B")) and "." in number:
-            raise FewBitError(f"budget in bytes must be a whole number, got {budget!r}")
-        value = int(float(number) * _UNITS[unit or "B"]) if "." in number else int(number) * _UNITS[unit or "B"]
-    else:
-        raise FewBitError(f"budget must be a number of bytes or a string like '2GiB', got {type(budget).__name__}")
-    if value <= 0:
-        raise FewBitError(f"budget must be > 0 bytes, got {budget!r}")
-    return value
+FORMAT = "fewbit-checkpoint-plan/1"
+#: a checkpoint plan file is a few KB per hundred blocks; a file this large is not one
+MAX_PLAN_BYTES = 16 * 2**20
 
 
 def format_bytes(nbytes: float) -> str:
@@ -93,13 +67,19 @@ class Plan:
 
     Attributes:
         segments: the top-level segments, covering blocks 0 .. n - 1 (see :class:`.cost.Segment`).
-        strategy: the strategy that made it.
+        strategy: the strategy that made it (any name for a plan built by hand).
         peak_bytes: predicted peak bytes of a training step (forward + backward) above its start.
         extra_seconds: predicted recomputation time per step.
         forward_seconds: the profiled forward time of the whole chain (for the overhead ratio).
         baseline_peak_bytes: predicted peak without checkpointing.
         budget_bytes: the budget it was made under, if any.
-        names: the blocks' names.
+        names: the blocks' names (empty or one per block).
+        fingerprint: per block, its class and parameter shapes (see :mod:`.fingerprint`); :func:`.apply.apply`
+            refuses blocks that differ. Empty for plans saved before fingerprints existed (applied unchecked).
+
+    A plan is checked completely (:meth:`validate`) when it is read (:meth:`from_dict`, :func:`load_plan`) and
+    again when it is applied, so a plan built or changed by hand cannot run a schedule that computes something
+    else than the model.
     """
 
     segments: tuple[Segment, ...]
@@ -110,16 +90,54 @@ class Plan:
     baseline_peak_bytes: int
     budget_bytes: int | None = None
     names: tuple[str, ...] = field(default=())
+    fingerprint: tuple[BlockFingerprint, ...] = field(default=())
 
     @property
     def checkpointed(self) -> list[tuple[int, int]]:
         """``(start, stop)`` of the top-level checkpointed segments."""
         return [(s.start, s.stop) for s in self.segments if s.checkpoint]
 
+    @property
+    def block_count(self) -> int:
+        """The number of blocks the plan is for."""
+        return self.segments[-1].stop if self.segments else 0
+
+    def validate(self, source: str | None = None) -> tuple[Segment, ...]:
+        """Check every field (types, ranges, segments tiling the blocks); return the segments as checked (a
+        tuple of frozen segments). Raises one :class:`FewBitError` naming the field and the constraint."""
+        try:
+            if not isinstance(self.names, tuple | list):
+                raise FewBitError(f"names must be a tuple of strings, got {show(self.names)}")
+            for index, name in enumerate(self.names):
+                check_string(f"names[{index}]", name)
+            if not isinstance(self.segments, tuple | list) or not self.segments:
+                raise FewBitError(f"segments must be a non-empty list of Segment, got {show(self.segments)}")
+            if self.names:
+                count = len(self.names)
+            elif isinstance(self.segments[-1], Segment):
+                count = check_integer(f"segments[{len(self.segments) - 1}].stop", self.segments[-1].stop, low=1)
+            else:
+                raise FewBitError(
+                    f"segments[{len(self.segments) - 1}] must be a Segment, got {show(self.segments[-1])}"
+                )
+            segments = check_segments(self.segments, 0, count)
+            check_string("strategy", self.strategy)
+            check_integer("peak_bytes", self.peak_bytes, low=0)
+            check_number("extra_seconds", self.extra_seconds, low=0)
+            check_number("forward_seconds", self.forward_seconds, low=0)
+            check_integer("baseline_peak_bytes", self.baseline_peak_bytes, low=0)
+            if self.budget_bytes is not None:
+                check_integer("budget_bytes", self.budget_bytes, low=1)
+            check_fingerprint_value(self.fingerprint, count, "fingerprint")
+        except FewBitError as error:
+            where = f"checkpoint plan {source!r}" if source else "checkpoint plan"
+            raise FewBitError(f"{where}: {error}") from None
+        return segments
+
     def to_dict(self) -> dict[str, Any]:
         """A JSON-serialisable dictionary (see :meth:`from_dict`)."""
         return {
-            "format": "fewbit-checkpoint-plan/1",
+            "format": FORMAT,
             "strategy": self.strategy,
             "segments": [s.to_dict() for s in self.segments],
             "peak_bytes": self.peak_bytes,
@@ -128,26 +146,54 @@ class Plan:
             "baseline_peak_bytes": self.baseline_peak_bytes,
             "budget_bytes": self.budget_bytes,
             "names": list(self.names),
+            "fingerprint": [block.to_json() for block in self.fingerprint],
         }
 
+    def to_json(self) -> str:
+        """The plan as JSON text (:func:`load_plan` reads it back into an equal plan)."""
+        return json.dumps(self.to_dict(), indent=1)
+
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
+        """Write :meth:`to_json` to ``path`` atomically (never a partial file); ``force=False`` refuses to replace
+        an existing file."""
+        from ...table import write_text_atomic
+
+        write_text_atomic(path, self.to_json(), force=force)
+
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Plan:
-        """The plan that :meth:`to_dict` wrote."""
-        if data.get("format") != "fewbit-checkpoint-plan/1":
-            raise FewBitError(f"plan format must be 'fewbit-checkpoint-plan/1', got {data.get('format')!r}")
-        return cls(
-            segments=tuple(Segment.from_dict(s) for s in data["segments"]),
-            strategy=str(data["strategy"]),
-            peak_bytes=int(data["peak_bytes"]),
-            extra_seconds=float(data["extra_seconds"]),
-            forward_seconds=float(data["forward_seconds"]),
-            baseline_peak_bytes=int(data["baseline_peak_bytes"]),
-            budget_bytes=None if data.get("budget_bytes") is None else int(data["budget_bytes"]),
-            names=tuple(data.get("names", ())),
-        )
+    def from_dict(cls, data: Any, *, source: str | None = None) -> Plan:
+        """The plan that :meth:`to_dict` wrote, checked completely (:meth:`validate`): JSON integers for counts
+        and bytes, JSON booleans for ``checkpoint``, segments that tile the blocks; ``budget_bytes``, ``names``
+        and ``fingerprint`` may be absent (plans saved before fingerprints load, and apply without that check)."""
+        where = f"checkpoint plan {source!r}" if source else "checkpoint plan"
+        try:
+            if isinstance(data, dict) and data.get("format") != FORMAT:
+                raise FewBitError(f"format must be {FORMAT!r}, got {show(data.get('format'))}")
+            required = ("format", "strategy", "segments", "peak_bytes", "extra_seconds", "forward_seconds")
+            check_keys("the plan", data, required + ("baseline_peak_bytes",), ("budget_bytes", "names", "fingerprint"))
+            if not isinstance(data["segments"], list):
+                raise FewBitError(f"segments must be a list, got {show(data['segments'])}")
+            names = data.get("names", [])
+            if not isinstance(names, list):
+                raise FewBitError(f"names must be a list of strings, got {show(names)}")
+            plan = cls(
+                segments=tuple(Segment.from_dict(s, where=f"segments[{k}]") for k, s in enumerate(data["segments"])),
+                strategy=data["strategy"],
+                peak_bytes=data["peak_bytes"],
+                extra_seconds=data["extra_seconds"],
+                forward_seconds=data["forward_seconds"],
+                baseline_peak_bytes=data["baseline_peak_bytes"],
+                budget_bytes=data.get("budget_bytes"),
+                names=tuple(names),
+                fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
+            )
+        except FewBitError as error:
+            raise FewBitError(f"{where}: {error}") from None
+        plan.validate(source)
+        return plan
 
     def __str__(self) -> str:
-        n = self.segments[-1].stop
+        n = self.block_count
         overhead = self.extra_seconds / self.forward_seconds if self.forward_seconds > 0 else 0.0
         budget = f", budget {format_bytes(self.budget_bytes)}" if self.budget_bytes is not None else ""
         lines = [
@@ -163,6 +209,16 @@ class Plan:
             nested = str(len(segment.children)) if segment.children else "-"
             lines.append(f"  {span:<14}{'yes' if segment.checkpoint else 'no':<14}{nested:>8}")
         return "\n".join(lines)
+
+
+def load_plan(path: str | os.PathLike) -> Plan:
+    """Read a plan that :meth:`Plan.save` wrote; ``checkpoint.apply(blocks, load_plan(path))`` applies it. The file
+    is read with the bounds of a table file (size, JSON nesting, UTF-8) and checked completely: every failure is
+    one :class:`FewBitError` naming the file."""
+    from ...table import load_json
+
+    data = load_json(path, what="checkpoint plan", max_bytes=MAX_PLAN_BYTES)
+    return Plan.from_dict(data, source=os.fspath(path))
 
 
 # --- strategies --------------------------------------------------------------------------------------------------
@@ -438,9 +494,12 @@ def plan(profile: Profile, *, budget: int | str | None = None, strategy: str = "
 
     Args:
         profile: what :func:`.profile.profile` measured.
-        budget: peak bytes allowed for a training step above its start: an int or a string like ``"2GiB"``,
-            ``"512MiB"``, ``"1.5GB"``. ``"optimal"`` and ``"greedy"`` minimise recomputation under it; the fixed
-            strategies only check it. Without a budget, ``"optimal"`` and ``"greedy"`` take their smallest peak.
+        budget: peak bytes allowed for a training step above its start, in the syntax of
+            :func:`fewbit_design.errors.parse_budget` (shared with ``plan_memory`` and the CLI): an int or a string
+            like ``"2GiB"``, ``"512MiB"``, ``"1.5GB"``; a fraction in (0, 1] of the peak without checkpointing
+            (``0.5`` or ``"0.5"``); or ``"min"``, the smallest feasible budget (:func:`minimum_budget`).
+            ``"optimal"`` and ``"greedy"`` minimise recomputation under it; the fixed strategies only check it.
+            Without a budget, ``"optimal"`` and ``"greedy"`` take their smallest peak.
         strategy: ``"none"``, ``"sqrt"``, ``"greedy"``, ``"recursive"`` or ``"optimal"`` (see the module docstring).
 
     Raises FewBitError when no plan fits the budget, naming the smallest feasible budget.
@@ -448,8 +507,13 @@ def plan(profile: Profile, *, budget: int | str | None = None, strategy: str = "
     check_choice("strategy", strategy, STRATEGIES)
     if not isinstance(profile, Profile):
         raise FewBitError(f"plan needs the Profile that profile() returned, got {type(profile).__name__}")
-    budget_bytes = None if budget is None else parse_budget(budget)
     n = len(profile.blocks)
+    baseline = predict(profile, _plain(0, n)).peak_bytes
+    budget_bytes = (
+        None
+        if budget is None
+        else resolve_budget(budget, unconverted=baseline, minimum=lambda: minimum_budget(profile))
+    )
     if profile.per_block and strategy in ("sqrt", "greedy", "recursive"):
         raise FewBitError(
             f"strategy {strategy!r} needs segments of several blocks, but an nn.ModuleList is checkpointed block by "
@@ -474,7 +538,6 @@ def plan(profile: Profile, *, budget: int | str | None = None, strategy: str = "
     prediction = predict(profile, segments)
     if budget_bytes is not None and prediction.peak_bytes > budget_bytes:
         raise _infeasible(profile, budget_bytes, strategy, prediction.peak_bytes)
-    baseline = predict(profile, _plain(0, n)).peak_bytes
     return Plan(
         segments=tuple(segments),
         strategy=strategy,
@@ -484,4 +547,5 @@ def plan(profile: Profile, *, budget: int | str | None = None, strategy: str = "
         baseline_peak_bytes=baseline,
         budget_bytes=budget_bytes,
         names=tuple(b.name for b in profile.blocks),
+        fingerprint=profile.fingerprint,
     )

@@ -26,6 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
 from ...errors import FewBitError, check_choice
 from .. import memory
+from .fingerprint import BlockFingerprint, fingerprint, fingerprint_from_json
 
 __all__ = ["BlockProfile", "Profile", "profile", "training_state_kept"]
 
@@ -85,12 +86,15 @@ class Profile:
         device: the device the blocks ran on.
         grads_allocated: whether the parameters' gradients were allocated before the backward pass (see the module
             docstring); a step must run the same way for the plan's predictions to hold.
+        fingerprint: per block, its class and parameter shapes (:mod:`.fingerprint`), carried into plans so that
+            applying one to other blocks fails; empty in profiles saved before fingerprints existed.
     """
 
     blocks: tuple[BlockProfile, ...]
     per_block: bool = False
     device: str = "cpu"
     grads_allocated: bool = False
+    fingerprint: tuple[BlockFingerprint, ...] = ()
 
     def __len__(self) -> int:
         return len(self.blocks)
@@ -107,6 +111,7 @@ class Profile:
             "per_block": self.per_block,
             "device": self.device,
             "grads_allocated": self.grads_allocated,
+            "fingerprint": [block.to_json() for block in self.fingerprint],
         }
 
     @classmethod
@@ -117,6 +122,7 @@ class Profile:
             bool(data["per_block"]),
             str(data["device"]),
             bool(data.get("grads_allocated", False)),
+            fingerprint_from_json(data.get("fingerprint", []), "profile fingerprint"),
         )
 
 
@@ -276,4 +282,10 @@ def profile(
                 x = output.requires_grad_(output.is_floating_point() and (x.requires_grad or _has_grad(module)))
             results.append(block_profile)
     device = str(example_inputs[0].device)
-    return Profile(tuple(results), per_block=per_block, device=device, grads_allocated=grads_allocated)
+    return Profile(
+        tuple(results),
+        per_block=per_block,
+        device=device,
+        grads_allocated=grads_allocated,
+        fingerprint=fingerprint(modules),
+    )

@@ -37,7 +37,8 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError, check_choice
+from ...errors import FewBitError, check_choice, parse_budget
+from ..checkpoint.fingerprint import fingerprint
 from .plan import FORMAT, OBJECTIVES, MemoryPlan, choose, format_bytes, load_plan
 from .techniques import TECHNIQUES
 
@@ -66,9 +67,10 @@ def plan_memory(
         model: the model in training mode; it is run, not changed (gradients, buffers and the random state are
             restored).
         example_inputs: positional inputs of one training step, with the training batch size (bytes scale with it).
-        budget: the whole step's memory (parameters, inputs and everything the step allocates): bytes, a string
-            such as ``"2GiB"``, a float in (0, 1] (a fraction of the unconverted predicted peak), ``"min"`` or None
-            (the unconverted peak: nothing to save).
+        budget: the whole step's memory (parameters, inputs and everything the step allocates), in the syntax of
+            :func:`fewbit_design.errors.parse_budget` (shared with ``checkpoint.plan`` and the CLI): bytes, a string
+            such as ``"2GiB"``, a fraction in (0, 1] of the unconverted predicted peak (``0.5`` or ``"0.5"``),
+            ``"min"`` (the smallest feasible peak) or None (the unconverted peak: nothing to save).
         allow: the techniques the plan may use, from ``("fewbit", "blpa", "checkpoint", "offload")``.
         bits: few-bit table bits; ``blpa_bits``: BLPA's bits (2..8).
         objective: ``"time"`` (the fastest plan within the budget) or ``"memory"`` (the smallest feasible peak,
@@ -82,7 +84,12 @@ def plan_memory(
         repeats: timed runs per measurement (median).
         example_kwargs: keyword inputs of the step.
 
-    Raises :class:`FewBitError` when no plan fits the budget (naming the smallest feasible one).
+    Raises :class:`FewBitError` when no plan fits the budget (naming the smallest feasible one), for a bad
+    argument before anything runs (a bad budget included), and when the model cannot run a training step on the
+    example inputs (naming what it raised).
+
+    The plan stores the chain's fingerprint (each block's class and parameter shapes); :meth:`MemoryPlan.apply`
+    refuses a model whose blocks differ.
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"plan_memory takes a torch.nn.Module, got {type(model).__name__}")
@@ -98,6 +105,13 @@ def plan_memory(
         raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
     if not model.training:
         raise FewBitError("plan_memory plans a training step: call model.train() first")
+    if budget is not None:
+        parse_budget(budget)  # a bad budget fails before the model is profiled
+    if not example_inputs and not example_kwargs:
+        raise FewBitError(
+            "plan_memory needs example inputs of one training step, with the training batch size: "
+            "plan_memory(model, x, ...) or example_kwargs={...}"
+        )
     offload = {"min_bytes": int(offload_min_bytes), "target": offload_target, "prefetch": 0}
     from .profile import profile_model
 
@@ -115,6 +129,7 @@ def plan_memory(
     )
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
+    container = model.get_submodule(chain_name) if chain_name else model
     settings = {"allow": allow, "bits": bits, "blpa_bits": blpa_bits, "objective": objective, "offload": offload}
     return choose(
         chain_name,
@@ -125,4 +140,5 @@ def plan_memory(
         settings=settings,
         budget=budget,
         allow=allow,
+        fingerprint=fingerprint(list(container)),
     )

@@ -13,14 +13,18 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError, check_choice
+from ...errors import FewBitError, check_choice, check_keys, resolve_budget, show
 from .. import memory
+from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint_from_json
 from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
-from .techniques import TECHNIQUES, apply_option, parse_option
+from .schema import OBJECTIVES, check_plan, costs_from_json
+from .techniques import TECHNIQUES, CheckpointedForward, apply_option, parse_option
 
 __all__ = ["MemoryPlan", "load_plan", "choose", "format_bytes", "FORMAT", "OBJECTIVES"]
 
 FORMAT = "fewbit-memory-plan/1"
+#: a plan file holds a few KB per block (its profile) and a timeline of at most about 400 events
+MAX_PLAN_BYTES = 64 * 2**20
 APPROXIMATE = ("fewbit", "blpa")  # techniques that change gradients
 
 
@@ -58,6 +62,11 @@ class MemoryPlan:
         settings: ``allow``, ``bits``, ``blpa_bits``, ``objective`` and the offload options.
         measured: after :meth:`measure`: ``peak_bytes`` (whole step, like the prediction), ``step_seconds``,
             ``saved_bytes`` per block and a ``timeline``; None before.
+        fingerprint: per block of the chain, its class and parameter shapes (see
+            :mod:`fewbit_design.runtime.checkpoint.fingerprint`); :meth:`apply` refuses a model whose blocks differ.
+            Empty in plans saved before fingerprints existed: they load, and apply without that check.
+
+    Every field is checked (:meth:`validate`, :mod:`.schema`) when a plan is read and again when it is applied.
     """
 
     chain: str
@@ -69,6 +78,16 @@ class MemoryPlan:
     settings: dict[str, Any]
     facts: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] | None = None
+    fingerprint: tuple[BlockFingerprint, ...] = ()
+
+    def validate(self, source: str | None = None) -> None:
+        """Check every field (:func:`.schema.check_plan`): one :class:`FewBitError` naming the field and the
+        constraint, e.g. a choice that uses a technique ``settings.allow`` leaves out."""
+        try:
+            check_plan(self)
+        except FewBitError as error:
+            where = f"memory plan {source!r}" if source else "memory plan"
+            raise FewBitError(f"{where}: {error}") from None
 
     # --- predictions -----------------------------------------------------------------------------------------
     def _selected(self) -> list[OptionCost]:
@@ -124,6 +143,7 @@ class MemoryPlan:
         """A new plan from this plan's profile (no model run): another ``budget`` (as in ``plan_memory``), a subset
         of the profiled techniques (``allow``), or another ``objective``. Raises :class:`FewBitError` when nothing
         fits."""
+        self.validate()
         allow = tuple(self.settings["allow"]) if allow is None else allow
         return choose(
             self.chain,
@@ -134,12 +154,22 @@ class MemoryPlan:
             settings={**self.settings, "objective": objective},
             budget=budget,
             allow=allow,
+            fingerprint=self.fingerprint,
         )
 
     # --- applying --------------------------------------------------------------------------------------------
     def apply(self, model: torch.nn.Module) -> torch.nn.Module:
         """Convert ``model`` (in place) as planned and return it. ``model`` must have the profiled architecture
-        (the same chain, as many blocks, the same names); apply before wrapping in DDP/FSDP."""
+        (the same chain, as many blocks, the same names, and blocks of the same classes and parameter shapes: the
+        plan's fingerprint); apply before wrapping in DDP/FSDP.
+
+        Everything is checked before the model is changed: the plan itself (:meth:`validate`), the model's
+        architecture, and that the model is not converted already. A plan is applied once per model: applying a
+        plan to a model that a plan was applied to (the same one twice, or another one) raises
+        :class:`FewBitError`; build a fresh model for each ``apply``."""
+        self.validate()
+        if not isinstance(model, torch.nn.Module):
+            raise FewBitError(f"apply takes a torch.nn.Module, got {type(model).__name__}")
         named = dict(model.named_modules())
         if self.chain not in named:
             raise FewBitError(f"the plan is for a model with a chain {self.chain!r}; this model has no such submodule")
@@ -149,6 +179,18 @@ class MemoryPlan:
         if keys != expected:
             where = self.chain or "the model"
             raise FewBitError(f"the plan is for a chain of blocks {expected}, but {where} has {keys}")
+        blocks = [container._modules[key] for key in keys]
+        check_fingerprint(self.fingerprint, blocks, [b.name for b in self.costs.blocks], "the memory plan")
+        if getattr(model, "fewbit_memory_plan", None) is not None:
+            raise FewBitError(
+                "a memory plan was applied to this model already (apply changes the model in place); apply the plan "
+                "to a freshly built model"
+            )
+        for block, name, choice in zip(blocks, expected, self.choices, strict=True):
+            if "checkpoint" in parse_option(choice) and isinstance(block.__dict__.get("forward"), CheckpointedForward):
+                raise FewBitError(
+                    f"block {name!r} is checkpointed already (checkpoint.apply?); the plan checkpoints it"
+                )
         offloaded = []
         settings = self.settings
         for key, choice in zip(keys, self.choices, strict=True):
@@ -160,6 +202,7 @@ class MemoryPlan:
 
             handle = offload.apply(model, offloaded, **settings["offload"])
             model.fewbit_offload = handle  # keeps .stats reachable; handle.remove() undoes the offloading
+        model.fewbit_memory_plan = self
         return model
 
     # --- measuring -------------------------------------------------------------------------------------------
@@ -310,80 +353,60 @@ class MemoryPlan:
         """The plan as JSON (:func:`load_plan` reads it back into an equal plan)."""
         return json.dumps(self.to_dict(), indent=1)
 
-    def save(self, path: str | os.PathLike) -> None:
-        """Write :meth:`to_json` to ``path`` (atomically)."""
-        path = os.fspath(path)
-        temporary = f"{path}.tmp{os.getpid()}"
-        with open(temporary, "w") as handle:
-            handle.write(self.to_json())
-        os.replace(temporary, path)
+    def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
+        """Write :meth:`to_json` to ``path`` atomically (never a partial file); ``force=False`` refuses to replace
+        an existing file."""
+        from ...table import write_text_atomic
+
+        write_text_atomic(path, self.to_json(), force=force)
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> MemoryPlan:
-        if not isinstance(data, dict) or data.get("format") != FORMAT:
-            found = data.get("format") if isinstance(data, dict) else type(data).__name__
-            raise FewBitError(f"a memory plan must have format {FORMAT!r}, got {found!r}")
+    def from_dict(cls, data: Any, *, source: str | None = None) -> MemoryPlan:
+        """The plan that :meth:`to_dict` wrote, checked completely (:meth:`validate`). ``facts``, ``measured`` and
+        ``fingerprint`` may be absent (plans saved before fingerprints existed load, and apply without that
+        check)."""
+        where = f"memory plan {source!r}" if source else "memory plan"
         try:
-            costs = data["costs"]
-            blocks = tuple(
-                BlockCosts(
-                    name=b["name"],
-                    input_bytes=int(b["input_bytes"]),
-                    output_bytes=int(b["output_bytes"]),
-                    gradient_bytes=int(b["gradient_bytes"]),
-                    options=tuple(OptionCost(**o) for o in b["options"]),
-                )
-                for b in costs["blocks"]
-            )
-            chain = ChainCosts(blocks, **{k: int(v) for k, v in costs.items() if k != "blocks"})
+            if isinstance(data, dict) and data.get("format") != FORMAT:
+                raise FewBitError(f"format must be {FORMAT!r}, got {show(data.get('format'))}")
+            required = ("format", "chain", "choices", "costs", "budget_bytes", "baseline_bytes", "step_seconds")
+            check_keys("the plan", data, required + ("settings",), ("facts", "measured", "fingerprint"))
+            if not isinstance(data["choices"], list | tuple):
+                raise FewBitError(f"choices must be a list, got {show(data['choices'])}")
+            if not isinstance(data["settings"], dict):
+                raise FewBitError(f"settings must be an object (a dict), got {show(data['settings'])}")
             settings = dict(data["settings"])
-            settings["allow"] = tuple(settings["allow"])
+            if isinstance(settings.get("allow"), list):
+                settings["allow"] = tuple(settings["allow"])
+            if isinstance(settings.get("offload"), dict):
+                settings["offload"] = dict(settings["offload"])
+            facts = data.get("facts")
             plan = cls(
-                chain=str(data["chain"]),
+                chain=data["chain"],
                 choices=tuple(data["choices"]),
-                costs=chain,
-                budget_bytes=int(data["budget_bytes"]),
-                baseline_bytes=int(data["baseline_bytes"]),
-                step_seconds=float(data["step_seconds"]),
+                costs=costs_from_json(data["costs"]),
+                budget_bytes=data["budget_bytes"],
+                baseline_bytes=data["baseline_bytes"],
+                step_seconds=data["step_seconds"],
                 settings=settings,
-                facts=dict(data.get("facts") or {}),
+                facts={} if facts is None else facts,
                 measured=data.get("measured"),
+                fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
             )
-            for block, choice in zip(plan.costs.blocks, plan.choices, strict=True):
-                block.option(choice)
-        except (KeyError, TypeError, ValueError) as error:
-            raise FewBitError(f"malformed memory plan: {type(error).__name__}: {error}") from None
+        except FewBitError as error:
+            raise FewBitError(f"{where}: {error}") from None
+        plan.validate(source)
         return plan
 
 
 def load_plan(path: str | os.PathLike) -> MemoryPlan:
-    """Read a plan that :meth:`MemoryPlan.save` wrote; ``load_plan(path).apply(model)`` applies it."""
-    try:
-        with open(path) as handle:
-            data = json.load(handle)
-    except OSError as error:
-        raise FewBitError(f"cannot read memory plan {os.fspath(path)!r}: {error.strerror}") from None
-    except json.JSONDecodeError as error:
-        raise FewBitError(f"memory plan {os.fspath(path)!r} is not JSON: {error}") from None
-    try:
-        return MemoryPlan.from_dict(data)
-    except FewBitError as error:
-        raise FewBitError(f"memory plan {os.fspath(path)!r}: {error}") from None
+    """Read a plan that :meth:`MemoryPlan.save` wrote; ``load_plan(path).apply(model)`` applies it. The file is
+    read with the bounds of a table file (size, JSON nesting, UTF-8) and checked completely: every failure is one
+    :class:`FewBitError` naming the file."""
+    from ...table import load_json
 
-
-OBJECTIVES = ("time", "memory")
-
-
-def _budget(budget: Any, plain_peak: int, minimum: int) -> int:
-    if isinstance(budget, float) and not isinstance(budget, bool):
-        if not 0 < budget <= 1:
-            raise FewBitError(f"a budget given as a fraction of the unconverted peak must be in (0, 1], got {budget}")
-        return max(int(budget * plain_peak), 1)
-    if isinstance(budget, str) and budget.strip().lower() == "min":
-        return minimum
-    from ..checkpoint import parse_budget
-
-    return parse_budget(budget)
+    data = load_json(path, what="memory plan", max_bytes=MAX_PLAN_BYTES)
+    return MemoryPlan.from_dict(data, source=os.fspath(path))
 
 
 def choose(
@@ -396,8 +419,11 @@ def choose(
     settings: dict[str, Any],
     budget: Any,
     allow: Any,
+    fingerprint: tuple[BlockFingerprint, ...] = (),
 ) -> MemoryPlan:
-    """Optimise over a profile: the options of each block whose techniques are all in ``allow``."""
+    """Optimise over a profile: the options of each block whose techniques are all in ``allow``. ``budget`` in the
+    syntax of :func:`fewbit_design.errors.parse_budget`: a fraction is of the unconverted predicted peak, ``"min"``
+    the smallest feasible one."""
     if isinstance(allow, str):
         allow = (allow,)
     allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
@@ -408,7 +434,7 @@ def choose(
     if objective == "memory" or budget is None:
         target = plain if budget is None and objective == "time" else smallest
     else:
-        target = _budget(budget, baseline + plain, baseline + smallest) - baseline
+        target = resolve_budget(budget, unconverted=baseline + plain, minimum=lambda: baseline + smallest) - baseline
     choices = optimise(costs, target, allowed)
     if choices is None:
         raise FewBitError(
@@ -426,4 +452,5 @@ def choose(
         step_seconds=step_seconds,
         settings={**settings, "allow": allow},
         facts=facts,
+        fingerprint=fingerprint,
     )

@@ -301,6 +301,9 @@ def profile_model(
     chain_name = find_chain(model, chain)
     container = model.get_submodule(chain_name) if chain_name else model
     blocks = list(container)
+    if not blocks:
+        where = f"the chain {chain_name!r}" if chain_name else f"the model (an empty {type(model).__name__})"
+        raise FewBitError(f"{where} has no blocks: nothing to plan over")
     names = [f"{chain_name}.{key}" if chain_name else key for key in container._modules]
     loss_fn = loss_fn or default_loss
     with training_state_kept(model), torch.random.fork_rng():
@@ -348,6 +351,31 @@ def profile_model(
     return chain_name, chain_costs, facts
 
 
+def _first_step(model, example_inputs, example_kwargs, loss_fn) -> torch.Tensor:
+    """One training step on the example inputs; what the model (or the loss) raises becomes one FewBitError that
+    names it, and a loss without a gradient (no parameter and no input requires one) is refused."""
+    try:
+        loss = loss_fn(model(*example_inputs, **example_kwargs))
+    except FewBitError:
+        raise
+    except Exception as error:  # the user's model: one line naming what failed, the cause kept for debugging
+        raise FewBitError(
+            f"the model's training step on the example inputs raised {type(error).__name__}: {error}"
+        ) from error
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        raise FewBitError(f"the loss must be a tensor of one element, got {type(loss).__name__}")
+    if not loss.requires_grad:
+        raise FewBitError(
+            "the loss of the training step does not require a gradient (no parameter of the model and no example "
+            "input requires one): nothing is saved for backward, so there is nothing to plan"
+        )
+    try:
+        loss.backward()
+    except Exception as error:
+        raise FewBitError(f"the model's backward pass raised {type(error).__name__}: {error}") from error
+    return loss
+
+
 def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats):
     for parameter in model.parameters():
         parameter.grad = None
@@ -355,8 +383,7 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
     with memory.peak(model, *alive, timeline=True) as result:
         recorder = _Recorder(blocks, result)
         try:
-            loss = loss_fn(model(*example_inputs, **example_kwargs))
-            loss.backward()
+            loss = _first_step(model, example_inputs, example_kwargs, loss_fn)
         finally:
             recorder.remove()
         del loss

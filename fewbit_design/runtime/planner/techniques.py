@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 
+from ...errors import FewBitError
 from ..checkpoint.apply import CheckpointedForward
 
 __all__ = ["TECHNIQUES", "parse_option", "option_name", "apply_option", "CheckpointedForward"]
@@ -51,7 +52,7 @@ def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int
             block = convert(holder, bits=bits)[0]
     if "checkpoint" in techniques:
         if isinstance(block.__dict__.get("forward"), CheckpointedForward):
-            raise AssertionError("block checkpointed twice")
+            raise FewBitError(f"block {key!r} is checkpointed already; it cannot be checkpointed twice")
         block.forward = CheckpointedForward(block, selective=False)  # checkpoint.apply's per-block wrapper
     container._modules[key] = block
     return block

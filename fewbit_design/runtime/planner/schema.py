@@ -1,0 +1,205 @@
+"""The fields of a memory plan and their constraints, checked when a plan is read and again when it is applied.
+
+A plan file can be edited, and a plan object can be changed after it was made; nothing in it is trusted. Counts and
+bytes are JSON integers (not floats, strings or booleans), flags are JSON booleans, times are finite numbers, every
+choice is one of its block's profiled options and uses only the techniques of ``settings.allow`` (a plan that
+promises exact gradients cannot apply few-bit), and the offload settings are offload's own arguments within their
+ranges. Bytes that are sizes or peaks are >= 0; ``kept`` and ``post_bytes`` are differences of live bytes and may
+be negative.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ...errors import (
+    FewBitError,
+    check_boolean,
+    check_choice,
+    check_integer,
+    check_keys,
+    check_number,
+    check_string,
+    show,
+)
+from ..checkpoint.fingerprint import check_fingerprint_value
+from .model import BlockCosts, ChainCosts, OptionCost
+from .techniques import TECHNIQUES, option_name, parse_option
+
+__all__ = ["OBJECTIVES", "check_plan", "costs_from_json", "OFFLOAD_REQUIRED", "OFFLOAD_OPTIONAL"]
+
+OBJECTIVES = ("time", "memory")
+OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
+BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
+CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
+SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
+OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
+OFFLOAD_OPTIONAL = ("max_host_bytes", "directory")  # offload.apply's other arguments, for a plan edited by hand
+FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
+MEASURED_FIELDS = ("peak_bytes", "step_seconds", "saved_bytes", "timeline")
+
+
+def _list(where: str, value: Any) -> list | tuple:
+    if not isinstance(value, list | tuple):
+        raise FewBitError(f"{where} must be a list, got {show(value)}")
+    return value
+
+
+def costs_from_json(data: Any, where: str = "costs") -> ChainCosts:
+    """The :class:`ChainCosts` of a plan file, with its structure checked (objects with exactly their fields, lists
+    where lists belong); the values' types and ranges are :func:`check_plan`'s part."""
+    check_keys(where, data, ("blocks",) + CHAIN_FIELDS)
+    blocks = []
+    for index, block in enumerate(_list(f"{where}.blocks", data["blocks"])):
+        here = f"{where}.blocks[{index}]"
+        check_keys(here, block, BLOCK_FIELDS)
+        options = []
+        for k, option in enumerate(_list(f"{here}.options", block["options"])):
+            check_keys(f"{here}.options[{k}]", option, OPTION_FIELDS)
+            options.append(OptionCost(**option))
+        blocks.append(
+            BlockCosts(
+                block["name"], block["input_bytes"], block["output_bytes"], block["gradient_bytes"], tuple(options)
+            )
+        )
+    return ChainCosts(tuple(blocks), **{name: data[name] for name in CHAIN_FIELDS})
+
+
+def _check_option(where: str, option: Any) -> None:
+    if not isinstance(option, OptionCost):
+        raise FewBitError(f"{where} must be an OptionCost, got {show(option)}")
+    name = check_string(f"{where}.option", option.option)
+    if option_name(parse_option(name)) != name or any(t not in TECHNIQUES for t in parse_option(name)):
+        raise FewBitError(
+            f"{where}.option must be 'plain' or techniques from {', '.join(TECHNIQUES)} joined by '+' in that "
+            f"order, got {show(name)}"
+        )
+    check_integer(f"{where}.forward_peak", option.forward_peak, low=0)
+    check_integer(f"{where}.kept", option.kept)
+    check_integer(f"{where}.backward_peak", option.backward_peak, low=0)
+    check_boolean(f"{where}.saves_input", option.saves_input)
+    check_boolean(f"{where}.saves_output", option.saves_output)
+    check_number(f"{where}.seconds", option.seconds, low=0)
+
+
+def _check_costs(chain: str, costs: Any) -> None:
+    if not isinstance(costs, ChainCosts):
+        raise FewBitError(f"costs must be a ChainCosts, got {show(costs)}")
+    if not isinstance(costs.blocks, tuple) or not costs.blocks:
+        raise FewBitError(f"costs.blocks must be a non-empty tuple of BlockCosts, got {show(costs.blocks)}")
+    for name in CHAIN_FIELDS:
+        check_integer(f"costs.{name}", getattr(costs, name), low=None if name == "post_bytes" else 0)
+    names = set()
+    for index, block in enumerate(costs.blocks):
+        here = f"costs.blocks[{index}]"
+        if not isinstance(block, BlockCosts):
+            raise FewBitError(f"{here} must be a BlockCosts, got {show(block)}")
+        name = check_string(f"{here}.name", block.name)
+        prefix, _, key = name.rpartition(".")
+        if prefix != chain or not key:  # a module's key has no '.'; the chain's blocks are named chain.key
+            expected = f"'{chain}.<key>'" if chain else "the key of a block of the model (no '.')"
+            raise FewBitError(f"{here}.name must be {expected} for the chain {chain!r}, got {show(name)}")
+        if name in names:
+            raise FewBitError(f"{here}.name {name!r} appears twice")
+        names.add(name)
+        for field in ("input_bytes", "output_bytes", "gradient_bytes"):
+            check_integer(f"{here}.{field}", getattr(block, field), low=0)
+        if not isinstance(block.options, tuple) or not block.options:
+            raise FewBitError(f"{here}.options must be a non-empty tuple of OptionCost, got {show(block.options)}")
+        seen = set()
+        for k, option in enumerate(block.options):
+            _check_option(f"{here}.options[{k}]", option)
+            if option.option in seen:
+                raise FewBitError(f"{here}.options[{k}]: option {option.option!r} appears twice")
+            seen.add(option.option)
+        if "plain" not in seen:
+            raise FewBitError(f"{here}.options has no 'plain' option (every block's profile starts with it)")
+
+
+def _check_settings(settings: Any) -> tuple[str, ...]:
+    check_keys("settings", settings, SETTINGS_FIELDS)
+    allow = settings["allow"]
+    if not isinstance(allow, tuple | list):
+        raise FewBitError(f"settings.allow must be a list of techniques, got {show(allow)}")
+    for index, technique in enumerate(allow):
+        check_choice(f"settings.allow[{index}]", technique, TECHNIQUES)
+    if len(set(allow)) != len(allow):
+        raise FewBitError(f"settings.allow names a technique twice: {show(list(allow))}")
+    check_integer("settings.bits", settings["bits"], low=1, high=8)
+    check_integer("settings.blpa_bits", settings["blpa_bits"], low=2, high=8)
+    check_choice("settings.objective", settings["objective"], OBJECTIVES)
+    offload = check_keys("settings.offload", settings["offload"], OFFLOAD_REQUIRED, OFFLOAD_OPTIONAL)
+    from ..offload import TARGETS  # offload's own choices and ranges (offload.apply checks them again)
+
+    check_choice("settings.offload.target", offload["target"], TARGETS)
+    check_integer("settings.offload.min_bytes", offload["min_bytes"], low=0)
+    check_integer("settings.offload.prefetch", offload["prefetch"], low=0)
+    if offload.get("max_host_bytes") is not None:
+        check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
+    if offload.get("directory") is not None:
+        check_string("settings.offload.directory", offload["directory"])
+    return tuple(allow)
+
+
+def _check_byte_map(where: str, value: Any) -> None:
+    if not isinstance(value, dict):
+        raise FewBitError(f"{where} must be an object of block names to bytes, got {show(value)}")
+    for key, nbytes in value.items():
+        check_string(f"{where} key", key)
+        check_integer(f"{where}[{key!r}]", nbytes, low=0)
+
+
+def _check_facts(facts: Any) -> None:
+    check_keys("facts", facts, (), FACT_FIELDS)
+    for name in ("measured_peak_bytes", "minimum_budget_bytes"):
+        if name in facts:
+            check_integer(f"facts.{name}", facts[name], low=0)
+    if "saved_bytes" in facts:
+        _check_byte_map("facts.saved_bytes", facts["saved_bytes"])
+
+
+def _check_measured(measured: Any) -> None:
+    if measured is None:
+        return
+    check_keys("measured", measured, MEASURED_FIELDS)
+    check_integer("measured.peak_bytes", measured["peak_bytes"], low=0)
+    check_number("measured.step_seconds", measured["step_seconds"], low=0, allow_nan=True)  # NaN: no timed step
+    _check_byte_map("measured.saved_bytes", measured["saved_bytes"])
+    for index, event in enumerate(_list("measured.timeline", measured["timeline"])):
+        if not isinstance(event, list | tuple) or len(event) != 2:
+            raise FewBitError(f"measured.timeline[{index}] must be [label, bytes], got {show(event)}")
+        check_string(f"measured.timeline[{index}] label", event[0])
+        check_integer(f"measured.timeline[{index}] bytes", event[1], low=0)
+
+
+def check_plan(plan: Any) -> None:
+    """Check every field of a :class:`~.plan.MemoryPlan` (see the module docstring); one :class:`FewBitError`
+    names the first field that breaks a constraint."""
+    chain = check_string("chain", plan.chain)
+    _check_costs(chain, plan.costs)
+    allow = _check_settings(plan.settings)
+    choices = plan.choices
+    if not isinstance(choices, tuple | list):
+        raise FewBitError(f"choices must be a list of option names, got {show(choices)}")
+    if len(choices) != len(plan.costs.blocks):
+        raise FewBitError(f"choices has {len(choices)} entries, but the chain has {len(plan.costs.blocks)} blocks")
+    for index, (block, choice) in enumerate(zip(plan.costs.blocks, choices, strict=True)):
+        check_string(f"choices[{index}]", choice)
+        options = [option.option for option in block.options]
+        if choice not in options:
+            raise FewBitError(
+                f"choices[{index}] is {choice!r}, which is not a profiled option of block {block.name!r} "
+                f"({', '.join(options)})"
+            )
+        outside = [t for t in parse_option(choice) if t not in allow]
+        if outside:
+            raise FewBitError(
+                f"choices[{index}] ({block.name!r}) is {choice!r}, which uses {', '.join(outside)}, but settings.allow "
+                f"is {list(allow)}: a plan applies only the techniques it allows"
+            )
+    check_integer("budget_bytes", plan.budget_bytes, low=0)
+    check_integer("baseline_bytes", plan.baseline_bytes, low=0)
+    check_number("step_seconds", plan.step_seconds, low=0)
+    _check_facts(plan.facts)
+    _check_measured(plan.measured)
+    check_fingerprint_value(plan.fingerprint, len(plan.costs.blocks), "fingerprint")
