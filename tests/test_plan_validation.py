@@ -241,6 +241,23 @@ def test_memory_plan_fields_have_strict_types(memory_plan, edit, message):
         MemoryPlan.from_dict(data)
 
 
+def test_memory_plan_offload_failure_leaves_the_model_unchanged(memory_plan, tmp_path):
+    assert any("offload" in choice for choice in memory_plan.choices) and memory_plan.approximate_blocks()
+    for offload, message in [
+        ({"target": "cuda-host"}, "needs CUDA"),
+        ({"directory": str(tmp_path / "no")}, "must be an existing folder"),
+    ]:
+        if offload.get("target") == "cuda-host" and torch.cuda.is_available():
+            continue
+        plan = copy.deepcopy(memory_plan)
+        plan.settings["offload"].update(offload)
+        model = mlp()
+        before = [type(m) for m in model.modules()]
+        with pytest.raises(FewBitError, match=message):
+            plan.apply(model)
+        assert [type(m) for m in model.modules()] == before  # nothing converted before offload failed
+
+
 # --- item 16: plan_memory's inputs, apply twice, load_plan of bad files, from_dict of non-dicts ------------------
 def test_plan_memory_refuses_what_it_cannot_plan():
     x = torch.randn(4, WIDTH)

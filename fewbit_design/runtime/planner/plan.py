@@ -164,7 +164,8 @@ class MemoryPlan:
         plan's fingerprint); apply before wrapping in DDP/FSDP.
 
         Everything is checked before the model is changed: the plan itself (:meth:`validate`), the model's
-        architecture, and that the model is not converted already. A plan is applied once per model: applying a
+        architecture, offload's options and folder (when a block is offloaded), and that the model is not converted
+        already. A plan is applied once per model: applying a
         plan to a model that a plan was applied to (the same one twice, or another one) raises
         :class:`FewBitError`; build a fresh model for each ``apply``."""
         self.validate()
@@ -191,8 +192,12 @@ class MemoryPlan:
                 raise FewBitError(
                     f"block {name!r} is checkpointed already (checkpoint.apply?); the plan checkpoints it"
                 )
-        offloaded = []
         settings = self.settings
+        if any("offload" in parse_option(choice) for choice in self.choices):
+            from .. import offload
+
+            offload.saved_tensors(**settings["offload"])  # offload's own checks and folder probe, before any change
+        offloaded = []
         for key, choice in zip(keys, self.choices, strict=True):
             block = apply_option(container, key, choice, bits=settings["bits"], blpa_bits=settings["blpa_bits"])
             if "offload" in parse_option(choice):
