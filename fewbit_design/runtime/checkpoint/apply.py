@@ -12,6 +12,11 @@ as the first forward pass left them (restored after recomputing), so a step upda
 Chen's §4.2: recompute only cheap operations and keep the outputs of matrix products and convolutions, through
 ``torch.utils.checkpoint.create_selective_checkpoint_contexts`` (the plan's peak prediction assumes full
 recomputation, so it overestimates a selective run).
+
+``torch.compile`` works on the result (the default backend and ``"aot_eager"``; tested): there the compiled graph
+recomputes, and batch-norm statistics are updated once by the functional graph. With ``backend="eager"`` (Dynamo
+alone) a batch norm inside a checkpointed segment fails in torch's own checkpoint ("modified by an inplace
+operation"), as it does for ``torch.utils.checkpoint`` without this module.
 """
 
 from __future__ import annotations

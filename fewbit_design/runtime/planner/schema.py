@@ -4,8 +4,8 @@ A plan file can be edited, and a plan object can be changed after it was made; n
 bytes are JSON integers (not floats, strings or booleans), flags are JSON booleans, times are finite numbers, every
 choice is one of its block's profiled options and uses only the techniques of ``settings.allow`` (a plan that
 promises exact gradients cannot apply few-bit), and the offload settings are offload's own arguments within their
-ranges. Bytes that are sizes or peaks are >= 0; ``kept`` and ``post_bytes`` are differences of live bytes and may
-be negative.
+ranges. Bytes that are sizes or peaks are >= 0; ``kept``, ``post_forward_peak`` and ``post_bytes`` are differences
+of live bytes and may be negative.
 """
 
 from __future__ import annotations
@@ -32,6 +32,8 @@ OBJECTIVES = ("time", "memory")
 OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
 BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
 CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
+#: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
+SIGNED_CHAIN_FIELDS = ("post_forward_peak", "post_bytes")
 SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
 OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
 OFFLOAD_OPTIONAL = ("max_host_bytes", "directory")  # offload.apply's other arguments, for a plan edited by hand
@@ -88,7 +90,7 @@ def _check_costs(chain: str, costs: Any) -> None:
     if not isinstance(costs.blocks, tuple) or not costs.blocks:
         raise FewBitError(f"costs.blocks must be a non-empty tuple of BlockCosts, got {show(costs.blocks)}")
     for name in CHAIN_FIELDS:
-        check_integer(f"costs.{name}", getattr(costs, name), low=None if name == "post_bytes" else 0)
+        check_integer(f"costs.{name}", getattr(costs, name), low=None if name in SIGNED_CHAIN_FIELDS else 0)
     names = set()
     for index, block in enumerate(costs.blocks):
         here = f"costs.blocks[{index}]"
