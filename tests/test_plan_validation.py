@@ -258,6 +258,15 @@ def test_memory_plan_offload_failure_leaves_the_model_unchanged(memory_plan, tmp
         assert [type(m) for m in model.modules()] == before  # nothing converted before offload failed
 
 
+def test_memory_plan_differences_of_live_bytes_may_be_negative(memory_plan):
+    # a block may keep less than it allocated and the modules after the chain may free bytes: real plans have these
+    data = edited(memory_plan)
+    data["costs"].update(post_forward_peak=-64, post_bytes=-64)
+    data["costs"]["blocks"][0]["options"][0]["kept"] = -64
+    plan = MemoryPlan.from_dict(data)
+    assert plan.costs.post_forward_peak == plan.costs.post_bytes == plan.costs.blocks[0].options[0].kept == -64
+
+
 # --- item 16: plan_memory's inputs, apply twice, load_plan of bad files, from_dict of non-dicts ------------------
 def test_plan_memory_refuses_what_it_cannot_plan():
     x = torch.randn(4, WIDTH)
