@@ -356,7 +356,7 @@ def test_bad_budgets_name_the_form(text, message):
         parse_budget(text)
 
 
-def test_cli_budget_uses_the_same_parser(tmp_path, monkeypatch, capsys):
+def test_cli_budget_uses_the_same_parser(capsys):
     from fewbit_design.cli import main
 
     with pytest.raises(SystemExit) as exit_info:

@@ -54,7 +54,7 @@ __all__ = [
 def wrap(
     blocks: Any,
     *example_inputs: Any,
-    budget: int | str | None = None,
+    budget: int | float | str | None = None,
     strategy: str = "optimal",
     selective: bool = False,
     grads_allocated: bool = False,

@@ -489,7 +489,7 @@ def _infeasible(profile: Profile, budget: int | None, strategy: str, peak: int |
     )
 
 
-def plan(profile: Profile, *, budget: int | str | None = None, strategy: str = "optimal") -> Plan:
+def plan(profile: Profile, *, budget: int | float | str | None = None, strategy: str = "optimal") -> Plan:
     """Choose which segments to checkpoint.
 
     Args:
