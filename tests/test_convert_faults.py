@@ -390,3 +390,21 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
     assert native >= numel * 2  # the instrument sees the gradient
     # at most one float32 block of input and one of output beside the gradient (before: 5x the gradient's bytes)
     assert fewbit <= native + 8 * op.SCALE_BLOCK + 65536, (fewbit, native)
+
+
+# --------------------------------------------------------------------- 20.8 for BLPA's convert: all or nothing
+
+
+def test_blpa_convert_strict_failure_on_a_later_run_leaves_the_model_unchanged():
+    from fewbit_design.runtime import blpa
+
+    model = torch.nn.Sequential(
+        torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.Conv2d(3, 4, 3),
+        torch.nn.BatchNorm2d(4, affine=False), torch.nn.ReLU(), torch.nn.Conv2d(4, 4, 3),
+    )  # fmt: skip
+    before = modules_of(model)
+    with pytest.raises(FewBitError, match=r"blpa.convert\(strict=True\): run at '3': .*affine=True"):
+        blpa.convert(model, strict=True)
+    assert modules_of(model) == before  # the first run was not fused either
+    _, report = blpa.convert(model, report=True)  # without strict: the first run fused, the second reported
+    assert report.fused == [("0", "1", "2")] and report.skipped[0][0] == "3"
