@@ -385,6 +385,7 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
     grad = torch.randn(numel, generator=generator).to(dtype)
     table = make_table("gelu", 3)
     with op.use_backend("numba"):
+        backward_peak(fnn.GELU(table=table), x[:4096], grad[:4096])  # first call: numba compiles (numpy buffers)
         fewbit = backward_peak(fnn.GELU(table=table), x, grad)
     native = backward_peak(torch.nn.GELU(), x, grad)
     assert native >= numel * 2  # the instrument sees the gradient
