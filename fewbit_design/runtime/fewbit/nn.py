@@ -10,7 +10,8 @@ them as attributes, plus keyword-only ``bits=3``, ``weight='uniform'``, ``mode='
 
 The forward output is bitwise the torch module's; backward stores ``bits`` bits per element. ``inplace`` is accepted
 for drop-in compatibility and ignored: the few-bit op computes out of place. :class:`FewBit` wraps any activation
-function with a table designed for it.
+function with a table designed for it. The table follows the hyper-parameters: assigning one after construction
+(``act.negative_slope = 0.2``) loads the table for the new value at once, or raises and keeps the old value.
 
 >>> import torch
 >>> from fewbit_design.runtime import nn as fnn
@@ -558,9 +559,10 @@ class FewBit(FewBitModule):
     """Any activation ``fn(x)`` with a few-bit backward from ``table`` (a Table, a dict or a path).
 
     The forward is exactly ``fn(x)`` (run without recording autograd, so ``fn`` must be pointwise and must not
-    have trainable parameters); the backward is ``grad * q(x)`` from the table, which should be designed for ``fn``
-    (e.g. ``fewbit-design --activation-module pkg.mod:fn ...``). An ``nn.Module`` ``fn`` is registered as a
-    submodule.
+    have trainable parameters; an ``fn`` whose output is not a tensor of x's shape raises :class:`FewBitError`); the
+    backward is ``grad * q(x)`` from the table, which should be designed for ``fn`` (e.g. ``fewbit-design
+    --activation-module pkg.mod:fn ...``). An ``nn.Module`` ``fn`` is registered as a submodule; its own attributes
+    are not watched (a change that alters what ``fn`` computes needs a new table: ``module.table = ...``).
 
     >>> act = FewBit(my_activation, "my_activation-3bit.json")      # doctest: +SKIP
     """

@@ -752,8 +752,14 @@ def fewbit_activation(
 ) -> torch.Tensor:
     """``native(x)``, with a backward that uses the table in ``tensors`` and stores ``tensors.bits`` bits per element.
 
-    Without autograd (x does not require grad, or grad mode is off) this is just ``native(x)``. Works under
-    ``torch.func.grad`` / ``vjp`` / ``jacrev`` / ``vmap``; forward-mode and higher-order transforms raise.
+    Without autograd (x does not require grad, or grad mode is off) this is just ``native(x)``.
+
+    ``torch.func``: ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (in any nesting with one reverse-mode level) give the
+    same few-bit gradient as eager autograd, bitwise; under ``vmap`` a non-finite input makes its whole example's
+    gradient NaN (the flag of the compiled form). ``jvp`` / ``jacfwd`` alone never reach the backward (the input
+    does not require grad there), so they differentiate the native function exactly. A reverse-mode level inside
+    another (``grad(grad(f))``) or inside forward mode (``hessian``) raises :class:`FewBitError`: the codes give no
+    derivative of the backward.
     """
     if not (torch.is_grad_enabled() and _requires_grad(x)):
         return native(x)
