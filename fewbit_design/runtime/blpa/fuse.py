@@ -81,9 +81,17 @@ def convert(
     bits = _check_unit_bits("convert", bits, naive)
     result = FuseReport()
     already = any(isinstance(module, _FusedUnit) for module in model.modules())
+    # all or nothing: every unit is built (and strict checked) before the first module is swapped
+    fusions: list[_Fusion] = []
     for name, module in list(model.named_modules()):
         if isinstance(module, nn.Sequential):
-            _fuse_sequential(module, name, bits, naive, strict, result)
+            fusions += _plan_sequential(module, name, bits, naive, strict, result)
+    for slots, unit in fusions:
+        (bn_owner, bn_attribute, _), (relu_owner, relu_attribute, _), (op_owner, op_attribute, _) = slots
+        bn_owner._modules[bn_attribute] = unit
+        relu_owner._modules[relu_attribute] = nn.Identity()
+        op_owner._modules[op_attribute] = nn.Identity()
+        result.fused.append(tuple(name for _, _, name in slots))
     logger.info("blpa.convert %s: %s", type(model).__name__, result)
     if not result.fused and not already:
         reasons = "; ".join(f"{name!r}: {reason}" for name, reason in result.skipped) or (
@@ -108,8 +116,15 @@ def _slots(seq: nn.Sequential, prefix: str) -> list[tuple[nn.Module, str, str]]:
     return slots
 
 
-def _fuse_sequential(seq: nn.Sequential, prefix: str, bits, naive: bool, strict: bool, result: FuseReport) -> None:
+_Slot = tuple[nn.Module, str, str]
+_Fusion = tuple[tuple[_Slot, _Slot, _Slot], _FusedUnit]
+
+
+def _plan_sequential(seq: nn.Sequential, prefix: str, bits, naive: bool, strict: bool, result: FuseReport):
+    """The runs of ``seq`` to fuse, with their units (nothing is changed here); runs that cannot be fused go to the
+    report, or raise with ``strict``."""
     slots = _slots(seq, prefix)
+    fusions: list[_Fusion] = []
     index = 0
     while index + 2 < len(slots):
         parts = [getattr(owner, attribute) for owner, attribute, _ in slots[index : index + 3]]
@@ -120,20 +135,13 @@ def _fuse_sequential(seq: nn.Sequential, prefix: str, bits, naive: bool, strict:
                     unit = unit_type.from_modules(*parts, bits=bits, naive=naive)
                 except FewBitError as exc:
                     if strict:
-                        raise
+                        raise FewBitError(f"blpa.convert(strict=True): run at {slots[index][2]!r}: {exc}") from None
                     result.skipped.append((slots[index][2], str(exc)))
                 break
         if unit is None:
             index += 1
             continue
-        (
-            (bn_owner, bn_attribute, bn_name),
-            (relu_owner, relu_attribute, relu_name),
-            (op_owner, op_attribute, op_name),
-        ) = slots[index : index + 3]
         unit.train(parts[0].training)  # a new module starts in training mode; the model may be in eval mode
-        bn_owner._modules[bn_attribute] = unit
-        relu_owner._modules[relu_attribute] = nn.Identity()
-        op_owner._modules[op_attribute] = nn.Identity()
-        result.fused.append((bn_name, relu_name, op_name))
+        fusions.append(((slots[index], slots[index + 1], slots[index + 2]), unit))
         index += 3
+    return fusions

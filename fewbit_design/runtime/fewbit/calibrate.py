@@ -29,7 +29,7 @@ import torch
 
 from ...errors import FewBitError, check_bits, check_positive
 from ...table import Table
-from .convert import _Candidate, _recognise, _run_example, _slots
+from .convert import _Candidate, _recognise, _run_example, _slots, canonical_name
 from .nn import FewBitModule
 
 __all__ = ["StreamingHistogram", "calibrate"]
@@ -125,19 +125,22 @@ def calibrate(
     arguments each), or one input. Every activation module that ``convert`` recognises (and that has a registry
     entry) gets a table at ``bits`` bits, designed on [``low``, ``high``] (widened to the recorded range when the
     data go beyond it) with the empirical weight of its recorded inputs. Returns ``{module name: Table}`` (a shared
-    module is calibrated once, under its first name). ``save_dir`` also receives ``<name>.npy`` (quantile samples,
-    the CLI's ``--samples`` input) and ``<name>.npz`` (the histogram) per layer.
+    module is calibrated once, under its first name; names are those of the uncompiled model: a model wrapped by
+    ``torch.compile`` gives the same names as the model itself, without ``_orig_mod.``; a model that is itself an
+    activation module is named ''). ``save_dir`` also receives ``<name>.npy`` (quantile samples, the CLI's
+    ``--samples`` input) and ``<name>.npz`` (the histogram) per layer (``model.npy`` for the name '').
     """
     bits = check_bits(bits)
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"calibrate takes a torch.nn.Module, got {type(model).__name__}")
     candidates: dict[str, tuple[torch.nn.Module, _Candidate]] = {}
-    for slot in _slots(model):
+    for slot in _slots(model, root=True):
         if isinstance(slot.module, FewBitModule):
             continue
         recognised = _recognise(slot.module)
         if isinstance(recognised, _Candidate):
-            candidates[slot.names[0]] = (slot.module, recognised)
+            # named as in the uncompiled model (no '_orig_mod.' of torch.compile), so the tables apply to either
+            candidates[canonical_name(slot.names[0])] = (slot.module, recognised)
     if not candidates:
         raise FewBitError(f"calibrate: {type(model).__name__} has no activation module that convert recognises")
     histograms = {name: StreamingHistogram(bins) for name in candidates}
@@ -171,8 +174,9 @@ def calibrate(
         histogram = histograms[name]
         values = histogram.quantile_samples(samples)
         if folder is not None:
-            np.save(folder / f"{name}.npy", values)
-            histogram.save(folder / f"{name}.npz")
+            stem = name or "model"  # the model itself is an activation module: its name is ''
+            np.save(folder / f"{stem}.npy", values)
+            histogram.save(folder / f"{stem}.npz")
         span_low, span_high = min(low, float(values.min())), max(high, float(values.max()))
         # design() puts torch's thread count back after numba's OpenMP pool has reset it
         tables[name] = design(

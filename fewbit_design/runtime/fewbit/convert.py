@@ -49,12 +49,13 @@ from typing import Any
 import torch
 
 from ...design import activations
-from ...errors import FewBitError
+from ...errors import FewBitError, check_bits, check_choice, close_matches
+from ...table import MODES, Table
 from .. import memory
 from .nn import FewBit, FewBitModule, _entry_for, from_torch
-from .tables import TableLike, resolve_table
+from .tables import WEIGHTS, TableLike, as_table, resolve_table
 
-__all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM"]
+__all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM", "canonical_name"]
 
 logger = logging.getLogger("fewbit_design.runtime.convert")
 
@@ -147,11 +148,21 @@ class ConversionReport:
         """Number of replaced modules per original class."""
         return dict(Counter(item.original for item in self.replaced))
 
+    @property
+    def places(self) -> int:
+        """Number of places (qualified names) the replaced modules occupy: a module used twice counts twice."""
+        return sum(len(item.names) for item in self.replaced)
+
     def __str__(self) -> str:
-        lines = [f"replaced {len(self.replaced)} module(s), left {len(self.skipped)} activation module(s) alone"]
+        places = self.places
+        at = f" at {places} place(s)" if places != len(self.replaced) else ""
+        lines = [f"replaced {len(self.replaced)} module(s){at}, left {len(self.skipped)} activation module(s) alone"]
         for original, count in self.by_class().items():
             example = next(item for item in self.replaced if item.original == original)
             lines.append(f"  {count} x {original} -> {example.replacement} ({example.activation}, {example.bits} bits)")
+        for item in self.replaced:
+            if len(item.names) > 1:
+                lines.append(f"  one shared replacement at {', '.join(repr(name) for name in item.names)}")
         reasons = Counter((item.original, item.reason) for item in self.skipped)
         for (original, reason), count in reasons.items():
             lines.append(f"  left alone: {count} x {original}: {reason}")
@@ -234,9 +245,11 @@ def _saves_only_output(module: torch.nn.Module) -> bool:
     if key not in _OUTPUT_ONLY:
         saved: list[torch.Tensor] = []
         try:
-            x = torch.linspace(-3.0, 3.0, 16).requires_grad_().clone()
-            with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                y = module(x)
+            # in normal grad mode whatever the caller's (under no_grad or inference_mode nothing would be saved)
+            with torch.inference_mode(False), torch.enable_grad():
+                x = torch.linspace(-3.0, 3.0, 16).requires_grad_().clone()
+                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+                    y = module(x)
             output = memory.storage_key(y)
             _OUTPUT_ONLY[key] = bool(saved) and all(memory.storage_key(t) == output for t in saved)
         except Exception:  # a module that cannot run on a small float32 vector: no claim, convert it
@@ -262,7 +275,7 @@ def _output_saved_by_neighbour(slot: _Slot) -> bool:
     Hugging Face alike, where the next convolution, norm or pooling takes the output), or the next module of its
     Sequential saves its input."""
     for parent, attribute, _ in slot.places:
-        children = list(parent.named_children())
+        children = [(name, child) for name, child in parent._modules.items() if child is not None]
         if any(isinstance(module, _CONVOLUTIONAL) for module in parent.modules()):
             return True
         if isinstance(parent, torch.nn.Sequential):
@@ -322,6 +335,21 @@ def _no_side_effects(model: torch.nn.Module) -> Iterator[None]:
                     buffer.copy_(saved)
 
 
+@contextlib.contextmanager
+def _example_errors() -> Iterator[None]:
+    """A model that fails on ``example_inputs`` (with autograd on) gives one clear error, not its traceback."""
+    try:
+        yield
+    except FewBitError:
+        raise
+    except Exception as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise FewBitError(
+            f"convert(example_inputs=...): measuring runs the model once on the example with autograd on, and it "
+            f"failed: {type(exc).__name__}: {first}"
+        ) from None
+
+
 def _measure_total(model: torch.nn.Module, example_inputs: Any) -> int:
     with torch.enable_grad(), memory.saved_bytes(model) as measured:
         _run_example(model, example_inputs)
@@ -341,10 +369,69 @@ def _decision(filter: Filter, name: str, module: torch.nn.Module) -> Any:
             if isinstance(module, cls):
                 return table
         return True
-    if callable(filter):
-        return filter(name, module)
+    return filter(name, module)
+
+
+def _check_filter(filter: Filter) -> None:
+    if filter is None or (callable(filter) and not isinstance(filter, type)):
+        return
+    if isinstance(filter, Mapping):
+        for cls in filter:
+            if not isinstance(cls, type):
+                raise FewBitError(f"filter: keys must be module classes, got {cls!r} ({type(cls).__name__})")
+        return
     raise FewBitError(
         f"filter must be None, a dict {{module class: table}} or a callable(name, module), got {filter!r}"
+    )
+
+
+def canonical_name(name: str) -> str:
+    """A module's qualified name without the ``_orig_mod`` parts that ``torch.compile`` wraps a model in: the name
+    the same module has in the model that was compiled (``'_orig_mod.1'`` -> ``'1'``)."""
+    return ".".join(part for part in name.split(".") if part != "_orig_mod")
+
+
+def _check_tables(tables: Mapping[str, TableLike] | None) -> dict[str, tuple[str, Table]]:
+    """``{canonical name: (name as given, Table)}``, every table loaded and checked."""
+    if tables is None:
+        return {}
+    if not isinstance(tables, Mapping):
+        raise FewBitError(
+            f"tables must be a dict {{module name: table}} (e.g. from runtime.calibrate), got {type(tables).__name__}"
+        )
+    result: dict[str, tuple[str, Table]] = {}
+    for name, table in tables.items():
+        if not isinstance(name, str):
+            raise FewBitError(f"tables: keys must be module names (str), got {name!r} ({type(name).__name__})")
+        key = canonical_name(name)
+        if key in result:
+            raise FewBitError(f"tables: names {result[key][0]!r} and {name!r} name the same module {key!r}")
+        try:
+            result[key] = (name, as_table(table))
+        except FewBitError as exc:
+            raise FewBitError(f"tables[{name!r}]: {exc}") from None
+    return result
+
+
+def _check_table_names(model: torch.nn.Module, tables: Mapping[str, tuple[str, Table]], slots: list[_Slot]) -> None:
+    """Every name in ``tables`` must be a module of the model (compiled or not): a table that matches nothing would
+    be dropped without a word and the module would get the shipped table."""
+    known = {canonical_name(name) for slot in slots for name in slot.names}
+    unmatched = [given for key, (given, _) in tables.items() if key not in known]
+    if not unmatched:
+        return
+    activations_found = [
+        slot.names[0] for slot in slots if isinstance(slot.module, FewBitModule) or _recognise(slot.module) is not None
+    ]
+    hints = sorted({hit for name in unmatched for hit in close_matches(canonical_name(name), activations_found)})
+    listed = ", ".join(repr(name) for name in activations_found[:12]) or "none"
+    if len(activations_found) > 12:
+        listed += f", ... ({len(activations_found)} in all)"
+    raise FewBitError(
+        f"convert: tables name {len(unmatched)} module(s) that {type(model).__name__} does not have: "
+        f"{', '.join(repr(name) for name in unmatched)}"
+        + (f" (did you mean {', '.join(repr(hit) for hit in hints)}?)" if hints else "")
+        + f"; its activation modules are {listed}"
     )
 
 
@@ -356,36 +443,52 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
 
 @dataclass
 class _Slot:
-    """One module object of the model with every (parent, attribute, qualified name) it sits at."""
+    """One module object of the model with every (parent, attribute, qualified name) it sits at (the model itself:
+    no place, name '')."""
 
     module: torch.nn.Module
     places: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
+    root: bool = False
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(name for _, _, name in self.places)
+        if self.root:
+            return ("",)
+        return tuple(dict.fromkeys(name for _, _, name in self.places))
 
 
-def _slots(model: torch.nn.Module) -> list[_Slot]:
-    """Every submodule object once (in first-seen order) with all the places it occupies; not below few-bit ones."""
+def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
+    """Every submodule object once (in ``named_modules`` order) with all the places it occupies: each attribute
+    that holds it and each qualified name it has (a module used twice in one parent, or inside a module that is
+    itself shared, has several); not below few-bit modules. With ``root``, a model that has no children (an
+    activation module given alone) is its own slot."""
+    if root and not model._modules:
+        return [_Slot(model, root=True)]
     found: dict[int, _Slot] = {}
-    visited: set[int] = set()
+    ancestors: set[int] = set()
 
     def walk(parent: torch.nn.Module, prefix: str) -> None:
-        if id(parent) in visited:
-            return
-        visited.add(id(parent))
-        for child_name, child in parent.named_children():
+        ancestors.add(id(parent))
+        for child_name, child in parent._modules.items():  # not named_children(): it de-duplicates
             if child is None:
                 continue
             name = f"{prefix}.{child_name}" if prefix else child_name
             slot = found.setdefault(id(child), _Slot(child))
             slot.places.append((parent, child_name, name))
-            if not isinstance(child, FewBitModule):
+            if not isinstance(child, FewBitModule) and id(child) not in ancestors:
                 walk(child, name)
+        ancestors.discard(id(parent))
 
     walk(model, "")
     return list(found.values())
+
+
+def _unique_places(slot: _Slot) -> list[tuple[torch.nn.Module, str]]:
+    """The (parent, attribute) pairs that hold the slot's module, each once (a shared parent is reached twice)."""
+    seen: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
+    for parent, attribute, _ in slot.places:
+        seen.setdefault((id(parent), attribute), (parent, attribute))
+    return list(seen.values())
 
 
 def convert(
@@ -412,33 +515,81 @@ def convert(
       modules alone), or a callable ``filter(name, module)`` returning a table, ``True`` (default treatment) or
       ``None`` / ``False`` (leave it alone). A table chosen by ``filter`` is always used.
     * ``tables``: ``{qualified module name: table}``, e.g. the per-layer tables of
-      :func:`fewbit_design.runtime.calibrate`; they win over the shipped ones (and are always used).
+      :func:`fewbit_design.runtime.calibrate`; they win over the shipped ones (and are always used). A name that is
+      no module of the model raises (naming it and the model's activation modules). Names are compared without the
+      ``_orig_mod.`` parts of ``torch.compile``, so tables calibrated on a compiled model apply to the plain one and
+      the other way round.
     * ``only_if_smaller`` (default True): leave alone the activations whose replacement would not reduce the bytes
       saved for backward: by a rule (native backward saves only the output) or, with ``example_inputs`` (a tensor,
       a tuple of positional arguments or a dict of keyword arguments for ``model``), by measuring one forward pass.
     * ``strict``: raise :class:`FewBitError` when an activation module without few-bit support is present.
 
-    A module shared by several places (one instance used twice, or one module under two names) gets one shared
-    replacement. Few-bit modules already in the model are left as they are, so converting twice changes nothing the
-    second time. The summary is logged (logger ``fewbit_design.runtime.convert``, INFO); a model in which nothing
-    was replaced gives a warning. Raises :class:`FewBitError` naming the module when its table cannot be found.
+    Every argument is checked first, whatever the model holds. The conversion is all or nothing: every replacement
+    is built (its table found and checked) before the first module is swapped, so an error leaves the model as it
+    was. A module shared by several places (one instance used twice, or one module under two names) gets one shared
+    replacement, and the report lists every place. Few-bit modules already in the model are left as they are, so
+    converting twice changes nothing the second time. A model that is itself an activation module (``convert(
+    torch.nn.GELU())``) cannot be changed in place: its replacement is returned, so use the return value. The
+    summary is logged (logger ``fewbit_design.runtime.convert``, INFO); a model in which nothing was replaced gives
+    a warning. Raises :class:`FewBitError` naming the module when its table cannot be found.
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    bits = check_bits(bits)
+    check_choice("weight", weight, WEIGHTS)
+    check_choice("mode", mode, MODES)
+    _check_filter(filter)
+    checked_tables = _check_tables(tables)
+    # under torch.inference_mode / no_grad the probes would see nothing saved and the tables' tensors would be
+    # inference tensors, unusable in training later: convert always works in normal mode
+    with torch.inference_mode(False):
+        converted, result = _convert(
+            model,
+            bits=bits,
+            weight=weight,
+            mode=mode,
+            filter=filter,
+            tables=checked_tables,
+            only_if_smaller=only_if_smaller,
+            example_inputs=example_inputs,
+            strict=strict,
+        )
+    logger.info("convert %s: %s", type(model).__name__, result)
+    if not result.replaced and not result.already_fewbit:
+        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in result.skipped})) or (
+            "it has no activation module the runtime recognises"
+        )
+        warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+    return (converted, result) if report else converted
+
+
+def _convert(
+    model: torch.nn.Module,
+    *,
+    bits: int,
+    weight: str,
+    mode: str,
+    filter: Filter,
+    tables: Mapping[str, tuple[str, Table]],
+    only_if_smaller: bool,
+    example_inputs: Any,
+    strict: bool,
+) -> tuple[torch.nn.Module, ConversionReport]:
     result = ConversionReport()
     if isinstance(model, FewBitModule):
         result.already_fewbit = 1
-        return (model, result) if report else model
-    tables = dict(tables or {})
+        return model, result
+    slots = _slots(model, root=True)
+    _check_table_names(model, tables, slots)
     plans: list[tuple[_Slot, Any, _Candidate | None]] = []  # (slot, decision, candidate)
-    for slot in _slots(model):
+    for slot in slots:
         module = slot.module
         if isinstance(module, FewBitModule):
             result.already_fewbit += 1
             continue
         recognised = _recognise(module)
         decision = _decision(filter, slot.names[0], module)
-        explicit = next((tables[name] for name in slot.names if name in tables), None)
+        explicit = next((tables[key][1] for key in map(canonical_name, slot.names) if key in tables), None)
         if explicit is not None and decision is not None and decision is not False:
             decision = explicit
         if decision is None or decision is False:
@@ -463,31 +614,41 @@ def convert(
     if only_if_smaller:
         plans = _drop_costly(model, plans, example_inputs, bits, result)
 
+    # build every replacement first (any error leaves the model untouched), then swap
+    built = []
     for slot, decision, candidate in plans:
         module = slot.module
-        options = {"bits": bits, "weight": weight, "mode": mode}
-        replacement, activation = _build(slot.names[0], module, decision, candidate, **options)
+        replacement, activation = _build(
+            slot.names[0], module, decision, candidate, bits=bits, weight=weight, mode=mode
+        )
         replacement.train(module.training)
-        parent = slot.places[0][0]
-        device = _device_of(module) or _device_of(parent)
+        device = _device_of(module) or (_device_of(slot.places[0][0]) if slot.places else None)
         if device is not None:
             replacement.to(device)
-        for place_parent, attribute, _ in slot.places:
-            setattr(place_parent, attribute, replacement)
-        result.replaced.append(
-            Replaced(slot.names, _class_path(type(module)), type(replacement).__name__, activation, replacement.bits)
-        )
+        built.append((slot, replacement, activation))
 
-    if example_inputs is not None and result.measured is not None:
-        with _no_side_effects(model):
-            result.measured["converted"] = _measure_total(model, example_inputs)
-    logger.info("convert %s: %s", type(model).__name__, result)
-    if not result.replaced and not result.already_fewbit:
-        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in result.skipped})) or (
-            "it has no activation module the runtime recognises"
-        )
-        warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
-    return (model, result) if report else model
+    converted = model
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    try:
+        for slot, replacement, activation in built:
+            if slot.root:
+                converted = replacement
+            for parent, attribute in _unique_places(slot):
+                swapped.append((parent, attribute, slot.module))
+                setattr(parent, attribute, replacement)
+            result.replaced.append(
+                Replaced(
+                    slot.names, _class_path(type(slot.module)), type(replacement).__name__, activation, replacement.bits
+                )
+            )
+        if example_inputs is not None and result.measured is not None:
+            with _no_side_effects(converted), _example_errors():
+                result.measured["converted"] = _measure_total(converted, example_inputs)
+    except BaseException:
+        for parent, attribute, original in reversed(swapped):
+            setattr(parent, attribute, original)
+        raise
+    return converted, result
 
 
 def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):
@@ -502,7 +663,7 @@ def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):
                 kept.append(plan)
         return kept
     candidates = {id(slot.module): slot.module for slot, _, _ in plans}
-    with _no_side_effects(model):
+    with _no_side_effects(model), _example_errors():
         exclusive, elements = _exclusive_bytes(model, example_inputs, candidates)
         result.measured = {"native": _measure_total(model, example_inputs)}
     for plan in plans:

@@ -10,7 +10,8 @@ them as attributes, plus keyword-only ``bits=3``, ``weight='uniform'``, ``mode='
 
 The forward output is bitwise the torch module's; backward stores ``bits`` bits per element. ``inplace`` is accepted
 for drop-in compatibility and ignored: the few-bit op computes out of place. :class:`FewBit` wraps any activation
-function with a table designed for it.
+function with a table designed for it. The table follows the hyper-parameters: assigning one after construction
+(``act.negative_slope = 0.2``) loads the table for the new value at once, or raises and keeps the old value.
 
 >>> import torch
 >>> from fewbit_design.runtime import nn as fnn
@@ -66,14 +67,33 @@ _BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "level
 
 
 class FewBitModule(torch.nn.Module):
-    """Base class: holds a table (``self.table``) and its tensors as non-persistent integer buffers."""
+    """Base class: holds a table (``self.table``) and its tensors as non-persistent integer buffers.
+
+    Assigning ``module.table = other`` (a Table, a dict or a path) checks the table and replaces the buffers too.
+    """
 
     table: Table
 
     def _set_table(self, table: Table) -> None:
-        self.table = table
-        for name, tensor in encode_table(table).items():
-            self.register_buffer(f"_fewbit_{name}", tensor, persistent=False)
+        # normal tensors even under torch.inference_mode (the module may be trained later), on the device of the
+        # buffers they replace
+        with torch.inference_mode(False):
+            for name, tensor in encode_table(table).items():
+                previous = self._buffers.get(f"_fewbit_{name}")
+                if previous is not None:
+                    tensor = tensor.to(previous.device)
+                self.register_buffer(f"_fewbit_{name}", tensor, persistent=False)
+        self.__dict__["table"] = table
+
+    def _check_table(self, table: TableLike) -> Table:
+        """The table ``module.table = table`` installs (checked for this module)."""
+        return as_table(table)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if name == "table" and "table" in self.__dict__:
+            self._set_table(self._check_table(value))
+            return
+        super().__setattr__(name, value)
 
     @property
     def bits(self) -> int:
@@ -92,20 +112,67 @@ class FewBitModule(torch.nn.Module):
 
 
 class _Activation(FewBitModule):
-    """A registry activation: its torch.nn hyper-parameters are attributes named as in torch."""
+    """A registry activation: its torch.nn hyper-parameters are attributes named as in torch.
+
+    The table follows the hyper-parameters: assigning one after construction (``act.negative_slope = 0.2``,
+    ``act.approximate = 'tanh'``) changes the forward, so the table is resolved again at once for the new value: the
+    shipped table of the same bits, weight and mode, or, for a module given ``table=``, that table, which must be
+    for the new value. When there is none, the assignment raises :class:`FewBitError` (with the ``fewbit-design``
+    command that designs the table) and the module keeps its old value: the gradient is never for another function
+    than the forward's.
+    """
 
     activation: ClassVar[str]
+    #: attributes of the torch class that this module fixes (assigning another value raises)
+    _fixed: ClassVar[dict[str, Any]] = {}
 
     def _setup(self, bits: int, weight: str, mode: str, table: TableLike | None) -> None:
-        entry = activations.get(self.activation)
-        params = {name: getattr(self, name) for name in entry.defaults}
+        self._weight = weight if table is None else None
+        self._explicit_table = table is not None
         try:
-            resolved = resolve_table(table, activation=entry.name, params=params, bits=bits, weight=weight, mode=mode)
+            resolved = self._resolve(table, bits=bits, weight=weight, mode=mode)
         except FewBitError as exc:
             raise FewBitError(f"fewbit_design.runtime.nn.{type(self).__name__}: {exc}") from None
         self._set_table(resolved)
-        self._weight = weight if table is None else None
-        self._explicit_table = table is not None
+
+    def _resolve(self, table: TableLike | None, *, bits: int, weight: str, mode: str) -> Table:
+        entry = activations.get(self.activation)
+        params = {name: getattr(self, name) for name in entry.defaults}
+        return resolve_table(table, activation=entry.name, params=params, bits=bits, weight=weight, mode=mode)
+
+    def _check_table(self, table: TableLike) -> Table:
+        try:
+            resolved = self._resolve(table, bits=self.bits, weight="uniform", mode=self.table.mode)
+        except FewBitError as exc:
+            raise FewBitError(f"fewbit_design.runtime.nn.{type(self).__name__}.table: {exc}") from None
+        self._weight, self._explicit_table = None, True
+        return resolved
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if "table" not in self.__dict__:  # still in __init__
+            super().__setattr__(name, value)
+            return
+        if name in self._fixed and value != self._fixed[name]:
+            raise FewBitError(
+                f"fewbit_design.runtime.nn.{type(self).__name__}: {name} is fixed at {self._fixed[name]!r}, got "
+                f"{value!r}; use Hardtanh(min_val, max_val) for other limits"
+            )
+        if name not in activations.get(self.activation).defaults:
+            super().__setattr__(name, value)
+            return
+        previous = getattr(self, name)
+        super().__setattr__(name, value)
+        try:
+            table = self.table if self._explicit_table else None
+            resolved = self._resolve(table, bits=self.bits, weight=self._weight or "uniform", mode=self.table.mode)
+        except FewBitError as exc:
+            super().__setattr__(name, previous)
+            raise FewBitError(
+                f"cannot set {type(self).__name__}.{name} = {value!r} (it stays {previous!r}): the backward's table "
+                f"must follow it, and {exc} (to change both, build a new module: "
+                f"{type(self).__name__}({name}={value!r}, table=...))"
+            ) from None
+        self._set_table(resolved)
 
     def extra_repr(self) -> str:
         entry = activations.get(self.activation)
@@ -138,6 +205,7 @@ class ReLU6(_Activation):
     """Few-bit :class:`torch.nn.ReLU6`."""
 
     activation = "relu6"
+    _fixed = {"min_val": 0.0, "max_val": 6.0}
 
     def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
         super().__init__()
@@ -491,9 +559,10 @@ class FewBit(FewBitModule):
     """Any activation ``fn(x)`` with a few-bit backward from ``table`` (a Table, a dict or a path).
 
     The forward is exactly ``fn(x)`` (run without recording autograd, so ``fn`` must be pointwise and must not
-    have trainable parameters); the backward is ``grad * q(x)`` from the table, which should be designed for ``fn``
-    (e.g. ``fewbit-design --activation-module pkg.mod:fn ...``). An ``nn.Module`` ``fn`` is registered as a
-    submodule.
+    have trainable parameters; an ``fn`` whose output is not a tensor of x's shape raises :class:`FewBitError`); the
+    backward is ``grad * q(x)`` from the table, which should be designed for ``fn`` (e.g. ``fewbit-design
+    --activation-module pkg.mod:fn ...``). An ``nn.Module`` ``fn`` is registered as a submodule; its own attributes
+    are not watched (a change that alters what ``fn`` computes needs a new table: ``module.table = ...``).
 
     >>> act = FewBit(my_activation, "my_activation-3bit.json")      # doctest: +SKIP
     """
@@ -515,10 +584,20 @@ class FewBit(FewBitModule):
         self._set_table(as_table(table))
 
     def _native(self, input):
-        return self.fn(input)
+        output = self.fn(input)
+        if not isinstance(output, torch.Tensor) or output.shape != input.shape:
+            got = f"shape {tuple(output.shape)}" if isinstance(output, torch.Tensor) else f"a {type(output).__name__}"
+            raise FewBitError(
+                f"FewBit({self._fn_name()}): fn(x) must return a tensor of x's shape {tuple(input.shape)} (an "
+                f"elementwise activation: the backward scales each element's gradient by its level), got {got}"
+            )
+        return output
+
+    def _fn_name(self) -> str:
+        return getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
 
     def extra_repr(self) -> str:
-        name = getattr(self.fn, "__qualname__", None) or type(self.fn).__name__
+        name = self._fn_name()
         parts = [] if isinstance(self.fn, torch.nn.Module) else [f"fn={name}"]
         parts += [f"activation={self.table.activation!r}", f"bits={self.bits}"]
         if self.table.source:

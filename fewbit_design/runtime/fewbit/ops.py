@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import sys
 import threading
@@ -163,8 +164,11 @@ def table_tensors(table: Table, device: torch.device | str | None = None) -> Tab
     with _TENSOR_CACHE_LOCK:
         per_device = _TENSOR_CACHE.setdefault(table, {})
         if key not in per_device:
-            encoded = {name: tensor.to(device) for name, tensor in encode_table(table).items()}
-            per_device[key] = decode_table(int(table.bits), encoded)
+            # normal tensors even under torch.inference_mode: the cache outlives the block, and inference tensors
+            # cannot be saved for backward in training later
+            with torch.inference_mode(False):
+                encoded = {name: tensor.to(device) for name, tensor in encode_table(table).items()}
+                per_device[key] = decode_table(int(table.bits), encoded)
         return per_device[key]
 
 
@@ -322,6 +326,11 @@ def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 _NUMPY_ALLOCATION_BYTES = 1 << 22
 
 
+#: Elements per block of the float16 / bfloat16 backward on CPU (a multiple of 8 and of CHUNK): its two float32 buffers
+#: take 8 * SCALE_BLOCK bytes (4 MiB), enough for every thread of the pool to get a part of each block.
+SCALE_BLOCK = 1 << 19
+
+
 def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
@@ -375,13 +384,32 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
     if grad.numel() == 0:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     kernels = _numba_kernels()
+    kernel = kernels.unpack_scale(bits)
     flat = _flat_contiguous(grad)
-    if flat.dtype != levels.dtype:  # float16 / bfloat16 gradients: compute in float32, round once at the end
-        flat = flat.to(levels.dtype)
-    out = _empty_cpu(flat.numel(), flat.dtype)
+    numel = flat.numel()
     levels_np = levels.detach().cpu().numpy()
-    kernels.run(kernels.unpack_scale(bits), flat.numel(), flat.numpy(), packed.detach().numpy(), levels_np, out.numpy())
-    return out.to(grad.dtype).reshape(grad.shape)
+    packed_np = packed.detach().numpy()
+    if flat.dtype == levels.dtype:
+        out = _empty_cpu(numel, flat.dtype)
+        kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
+        return out.reshape(grad.shape)
+    # float16 / bfloat16 gradients: computed in float32 and rounded once, a block of SCALE_BLOCK elements at a time
+    # (two float32 buffers of one block), so the backward's memory stays that of the gradients (issue 20.14: a
+    # whole-tensor float32 copy and product took 4x the gradient's bytes)
+    out = torch.empty(numel, dtype=grad.dtype)
+    block = min(numel, SCALE_BLOCK)
+    grad32 = torch.empty(block, dtype=levels.dtype)
+    out32 = torch.empty(block, dtype=levels.dtype)
+    for start in range(0, numel, block):
+        stop = min(start + block, numel)
+        count = stop - start
+        grad32[:count].copy_(flat[start:stop])
+        # a block starts on a group of 8 elements (SCALE_BLOCK is a multiple of 8): its codes start at byte
+        # start // 8 * bits
+        codes = packed_np[start // 8 * bits : packed_nbytes(stop, bits)]
+        kernels.run(kernel, count, grad32[:count].numpy(), codes, levels_np, out32[:count].numpy())
+        out[start:stop].copy_(out32[:count])
+    return out.reshape(grad.shape)
 
 
 def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
@@ -607,42 +635,116 @@ class _FewBitFunction(torch.autograd.Function):
     # for tanh / sigmoid, ...), see _nonfinite_gradient. Under torch.compile (no data-dependent
     # shapes) a 0-dim flag "x had a non-finite element" is saved instead and makes the whole gradient NaN, which
     # keeps overflow detection (GradScaler) working.
+    #
+    # forward / setup_context are separate (torch.func needs it): forward returns what backward needs beside y
+    # (packed codes, the record) as extra outputs that fewbit_activation drops, and setup_context saves them.
     @staticmethod
-    def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
+    def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
         # the native module's output and x is not saved. Eager calls the launcher directly (the custom op's Python
         # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
         if torch.compiler.is_compiling():
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
-            record = (flag, None)
+            positions, values = flag, None
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
-            record = nonfinite_record(x) or (None, None)
+            positions, values = nonfinite_record(x) or (None, None)
         y = native(x)
-        ctx.save_for_backward(packed, levels32, levels64, *record)
-        ctx.bits = bits
-        ctx.native = native if record[0] is not None else None
-        return y
+        return y, packed, positions, values
 
     @staticmethod
-    def backward(ctx, grad):
-        if torch.is_grad_enabled():
+    def setup_context(ctx, inputs, output):
+        _, _, _, levels32, levels64, bits, native = inputs
+        _, packed, positions, values = output
+        if values is not None:
+            ctx.mark_non_differentiable(values)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(packed, levels32, levels64, positions, values)
+        ctx.bits = bits
+        ctx.native = native if values is not None else None
+        # set up by a torch.func transform, whose backward always builds a graph (higher orders are refused in
+        # forward there, by _check_transforms)
+        ctx.functorch = not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+    @staticmethod
+    def backward(ctx, grad, *_):
+        if torch.is_grad_enabled() and not ctx.functorch:
             raise FewBitError(SECOND_ORDER_MESSAGE.format(bits=ctx.bits))
+        if grad is None:
+            return None, None, None, None, None, None, None
         packed, levels32, levels64, positions, values = ctx.saved_tensors
         levels = levels64 if grad.dtype == torch.float64 else levels32
         if torch.compiler.is_compiling():
             grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
-            if positions is not None:  # the compiled form's flag
-                grad_input = torch.where(positions, torch.full_like(grad_input, float("nan")), grad_input)
+        elif _functorch_wrapped(grad):  # batched or wrapped by torch.func: pure torch ops, bitwise the kernels'
+            grad_input = scale_reference(grad, packed, levels, ctx.bits)
         else:
             grad_input = scale(grad, packed, levels, ctx.bits)
-            if positions is not None and values is None:  # saved by a compiled forward, run eagerly
-                grad_input = torch.where(positions, torch.full_like(grad_input, float("nan")), grad_input)
-            elif positions is not None:
-                exact = _nonfinite_gradient(ctx.native, values, grad.reshape(-1)[positions])
-                grad_input.view(-1)[positions] = exact.to(grad_input.dtype)
+        if positions is not None and values is None:  # the compiled (or vmapped) form's flag
+            grad_input = torch.where(positions, torch.full_like(grad_input, float("nan")), grad_input)
+        elif positions is not None:
+            exact = _nonfinite_gradient(ctx.native, values, grad.reshape(-1)[positions])
+            grad_input.view(-1)[positions] = exact.to(grad_input.dtype)
         return grad_input, None, None, None, None, None, None
+
+    @staticmethod
+    def vmap(info, in_dims, x, boundaries, interval_codes, levels32, levels64, bits, native):
+        # torch.func.vmap: the op is elementwise, so it runs once on the whole batch; each example's codes start on a
+        # group of 8 (the batch is padded per example) so that a per-example backward (vmap of grad) reads its own
+        # codes, and the non-finite record is the per-example flag (as under torch.compile).
+        if any(dim is not None for dim in in_dims[1:5]):
+            raise FewBitError("few-bit activations under torch.func.vmap take a batched input, not a batched table")
+        if in_dims[0] is None:
+            return _FewBitFunction.apply(x, boundaries, interval_codes, levels32, levels64, bits, native), (None,) * 4
+        batch = x.movedim(in_dims[0], 0)
+        size = info.batch_size
+        example = batch.shape[1:]
+        numel = math.prod(example)
+        padded = -(-numel // 8) * 8
+        flat = batch.reshape(size, numel)
+        if padded != numel:
+            flat = torch.nn.functional.pad(flat, (0, padded - numel))
+        y, packed, _, _ = _FewBitFunction.apply(flat, boundaries, interval_codes, levels32, levels64, bits, native)
+        y = y[:, :numel].reshape(batch.shape)
+        packed = packed.reshape(size, (padded // 8) * bits)
+        flag = ~torch.isfinite(batch.detach().reshape(size, numel)).all(dim=1)
+        return (y, packed, flag, None), (0, 0, 0, None)
+
+
+def _functorch_wrapped(tensor: torch.Tensor) -> bool:
+    """A batched or wrapped tensor of torch.func."""
+    return torch._C._functorch.is_functorch_wrapped_tensor(tensor)
+
+
+def _requires_grad(x: torch.Tensor) -> bool:
+    """``x.requires_grad``, looking through torch.func.vmap's batching (a batched tensor reports False even when
+    the tensor it batches requires grad, as in ``grad(vmap(f))``)."""
+    if x.requires_grad:
+        return True
+    if torch.compiler.is_compiling():
+        return False
+    while torch._C._functorch.is_batchedtensor(x):
+        x = torch._C._functorch.get_unwrapped(x)
+        if x.requires_grad:
+            return True
+    return False
+
+
+def _check_transforms() -> None:
+    """Under torch.func: first-order reverse mode (grad, vjp, jacrev) and vmap work; forward mode and higher orders
+    raise (the codes give no derivative of the backward)."""
+    stack = torch._C._functorch.get_interpreter_stack()
+    if not stack:
+        return
+    keys = [str(interpreter.key()) for interpreter in stack]
+    if any(key.endswith("Jvp") for key in keys):
+        raise FewBitError(
+            "few-bit activations do not support forward-mode AD (torch.func.jvp, jacfwd, hessian): they have a "
+            "backward only; use torch.func.grad / vjp / jacrev, or the native torch activation"
+        )
+    if sum(key.endswith("Grad") for key in keys) > 1:
+        raise FewBitError(SECOND_ORDER_MESSAGE.format(bits="b"))
 
 
 def fewbit_activation(
@@ -651,12 +753,22 @@ def fewbit_activation(
     """``native(x)``, with a backward that uses the table in ``tensors`` and stores ``tensors.bits`` bits per element.
 
     Without autograd (x does not require grad, or grad mode is off) this is just ``native(x)``.
+
+    ``torch.func``: ``grad``, ``vjp``, ``jacrev`` and ``vmap`` (in any nesting with one reverse-mode level) give the
+    same few-bit gradient as eager autograd, bitwise; under ``vmap`` a non-finite input makes its whole example's
+    gradient NaN (the flag of the compiled form). ``jvp`` / ``jacfwd`` alone never reach the backward (the input
+    does not require grad there), so they differentiate the native function exactly. A reverse-mode level inside
+    another (``grad(grad(f))``) or inside forward mode (``hessian``) raises :class:`FewBitError`: the codes give no
+    derivative of the backward.
     """
-    if not (torch.is_grad_enabled() and x.requires_grad):
+    if not (torch.is_grad_enabled() and _requires_grad(x)):
         return native(x)
     if x.dtype not in SUPPORTED_DTYPES:
         raise FewBitError(f"few-bit activations take float32, float16, bfloat16 or float64 input, got {x.dtype}")
+    if not torch.compiler.is_compiling():
+        _check_transforms()
     boundaries, _ = tensors.for_input(x.dtype)
-    return _FewBitFunction.apply(
+    y, _, _, _ = _FewBitFunction.apply(
         x, boundaries, tensors.interval_codes, tensors.levels32, tensors.levels64, tensors.bits, native
     )
+    return y
