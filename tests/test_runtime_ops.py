@@ -14,6 +14,7 @@ import importlib.util
 import numpy as np
 import pytest
 import torch
+from devices import DEVICES
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import _packing as packing
@@ -308,13 +309,14 @@ def test_pack_rejects_bad_input():
 # custom ops and dispatch
 
 
-def test_custom_ops_pass_opcheck():
+@pytest.mark.parametrize("device", DEVICES)
+def test_custom_ops_pass_opcheck(device):
     table = random_table(bits=3, seed=5)
-    tensors = op.table_tensors(table)
-    x = torch.randn(37)
+    tensors = op.table_tensors(table, device)
+    x = torch.randn(37, device=device)
     torch.library.opcheck(torch.ops.fewbit.quantize.default, (x, tensors.boundaries32, tensors.interval_codes, 3))
     packed = torch.ops.fewbit.quantize(x, tensors.boundaries32, tensors.interval_codes, 3)
-    grad = torch.randn(37)
+    grad = torch.randn(37, device=device)
     torch.library.opcheck(torch.ops.fewbit.scale.default, (grad, packed, tensors.levels32, 3))
 
 
