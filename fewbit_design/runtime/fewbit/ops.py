@@ -601,8 +601,8 @@ def _nonfinite_gradient(
 
 
 def _capturing(x: torch.Tensor) -> bool:
-    """Whether a CUDA graph is being captured on the current stream of CUDA tensor ``x``: then the forward must not
-    synchronise with the host (the sparse record's ``bool`` and ``nonzero`` would), so it saves the flag instead."""
+    """Whether a CUDA graph is being captured on the current stream (for a CUDA tensor ``x``): then the forward saves
+    the compiled form's non-finite flag, since no host synchronisation is allowed."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
@@ -610,23 +610,21 @@ class _FewBitFunction(torch.autograd.Function):
     # Non-finite inputs (issue 16.1): codes have no spare value, so NaN and +-inf elements are kept in a sparse
     # record beside the packed codes (nonfinite_record: positions + values, None when all finite, i.e. zero extra
     # bytes in the common case); backward puts NaN at NaN and torch's own gradient at +-inf (NaN for silu / gelu, 0
-    # for tanh / sigmoid, ...), see _nonfinite_gradient. Under torch.compile and during CUDA graph capture (no
-    # data-dependent shapes, no host synchronisation) a 0-dim flag "x had a non-finite element" is saved instead and
-    # makes the whole gradient NaN, which keeps overflow detection (GradScaler) working.
+    # for tanh / sigmoid, ...), see _nonfinite_gradient. Under torch.compile (no data-dependent
+    # shapes) a 0-dim flag "x had a non-finite element" is saved instead and makes the whole gradient NaN, which
+    # keeps overflow detection (GradScaler) working.
     @staticmethod
     def forward(ctx, x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
         # the native module's output and x is not saved. Eager calls the launcher directly (the custom op's Python
-        # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
-        compiling = torch.compiler.is_compiling()
-        if compiling:
+        # wrapper costs ~0.1 ms a call); torch.compile traces the custom op. A CUDA graph capture takes the compiled
+        # form too: the sparse record's bool() and nonzero() synchronise with the host, which a capture forbids.
+        if torch.compiler.is_compiling() or _capturing(x):
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
-        else:
-            packed = quantize(x, boundaries, interval_codes, bits)
-        if compiling or _capturing(x):
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             record = (flag, None)
         else:
+            packed = quantize(x, boundaries, interval_codes, bits)
             record = nonfinite_record(x) or (None, None)
         y = native(x)
         ctx.save_for_backward(packed, levels32, levels64, *record)
