@@ -86,7 +86,10 @@ environment() {
   {
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "mode: $([ "$DRY" = 1 ] && echo 'dry run (CPU, tiny)' || echo 'GPU')"
-    echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
+    echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo 'unknown (no .git)')"
+    # the code measured, also where the checkout came without .git (the device tool copies the working tree)
+    echo "code sha256: $(cd "$ROOT" && find fewbit_design benchmarks tests scripts -type f \( -name '*.py' -o \
+      -name '*.sh' -o -name '*.json' \) | LC_ALL=C sort | xargs cat | sha256sum | cut -c1-16)"
     echo "host: $(uname -srm), $(nproc) CPU cores"
     echo "nvidia-smi -L:"
     timeout 30 nvidia-smi -L 2>&1 || echo "  (no nvidia-smi)"
