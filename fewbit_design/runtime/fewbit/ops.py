@@ -442,15 +442,17 @@ def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
     kernels = _triton_kernels()
     block = kernels.BLOCK_GROUPS
     grid = (_cdiv(_cdiv(numel, 8), block),)
+    flat = _flat_contiguous(grad)
+    in_bf16 = grad.dtype == torch.bfloat16
     kernels._fewbit_backward_kernel[grid](
-        _flat_contiguous(grad),
+        flat.view(torch.int16) if in_bf16 else flat,
         packed,
         levels.contiguous(),
         out,
         numel,
         BITS=bits,
         BLOCK_GROUPS=block,
-        OUT_BF16=grad.dtype == torch.bfloat16,
+        OUT_BF16=in_bf16,
     )
     return out
 
