@@ -9,9 +9,9 @@ oracle, and the reference on CPU shows that it does not depend on the device.
 Matrix: every registry activation (its shipped level-set table, and gelu with approximate='tanh'), 1-8 bits,
 float32 / float16 / bfloat16 (float64 for two activations), sizes 0, 1, 7, 2^k and 2^k +- 1 (k = 10, 16, 20), each
 contiguous, as a step-2 slice and as a transposed 2-D view. Inputs mix the table's boundaries and their neighbours in
-the dtype, signed zeros, +-inf, NaN, subnormal and huge values with N(0, 9) samples; gradients mix +-inf, NaN and -0
-with N(0, 1) samples. ``FEWBIT_CUDA_LARGE=1`` adds 2^28 elements and more than 2^31 elements (64-bit offsets; about
-14 GiB of GPU memory, a few seconds).
+the dtype, signed zeros, +-inf, NaN, subnormal and huge values with N(0, 9) samples; gradients mix +-inf, NaN, -0
+and subnormals with N(0, 1) samples. ``FEWBIT_CUDA_LARGE=1`` adds 2^28 elements and more than 2^31 elements (64-bit
+offsets; about 14 GiB of GPU memory, a few seconds).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 SIZES = [0, 1, 7, 1023, 1024, 1025, 65535, 65537, (1 << 20) + 1]
 CPU_CHECK_MAX = 65537  # sizes up to this are also compared with the reference run on CPU
 LAYOUTS = ["contiguous", "step", "transposed"]
-GRAD_SPECIALS = [math.inf, -math.inf, math.nan, -0.0, 0.0]
+GRAD_SPECIALS = [math.inf, -math.inf, math.nan, -0.0, 0.0, 1e-40, -1e-39]  # float32 / bfloat16 subnormals too
 
 
 def spec_id(spec):
