@@ -1,7 +1,9 @@
 """Shared test fixtures (keep this file small).
 
 There is no GPU on the development machines: Triton kernels run under the Triton interpreter in tests. Triton reads
-``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test module imports a kernel module.
+``TRITON_INTERPRET`` when a kernel is decorated, so it is set here, before any test module imports a kernel module
+(only by default: ``TRITON_INTERPRET=0 pytest -m cuda`` runs the compiled kernels on a GPU, see
+scripts/gpu_suite.sh). Tests marked ``cuda`` are skipped where ``torch.cuda.is_available()`` is False.
 """
 
 import functools
@@ -12,6 +14,21 @@ import numpy as np
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
+def pytest_collection_modifyitems(config, items):
+    """Skip the tests marked ``cuda`` when there is no CUDA GPU (torch is imported only if such tests were
+    collected)."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import torch
+
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (torch.cuda.is_available() is False)")
+    for item in marked:
+        item.add_marker(skip)
 
 
 def _levelset_table(name, bits, params=None, weight="uniform"):

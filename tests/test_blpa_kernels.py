@@ -24,7 +24,7 @@ def _backend(name):
         blpa.set_backend(previous)
 
 
-def _run(unit, x, grad_out, backend):
+def run_unit(unit, x, grad_out, backend):
     unit.zero_grad()
     x = x.detach().clone().requires_grad_()
     with _backend(backend):
@@ -41,10 +41,11 @@ CASES = [  # (kind, input shape): odd spatial sizes so packing groups straddle p
 ]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("bits,naive", [(None, False), (2, False), (3, False), (4, False), (8, False), (4, True)])
-@pytest.mark.parametrize("kind,shape", CASES)
-def test_kernels_match_reference(kind, shape, bits, naive, dtype):
+BITS_NAIVE = [(None, False), (2, False), (3, False), (4, False), (8, False), (4, True)]
+
+
+def unit_case(kind, shape, bits, naive, dtype):
+    """(unit, x, grad_out) of a case: seeded, with hand-picked gammas and betas and a constant patch."""
     generator = torch.Generator().manual_seed(0)
     if kind == "conv":
         unit = blpa.BNReLUConv2d(5, 4, 3, padding=1, bits=bits, naive=naive).to(dtype)
@@ -57,8 +58,16 @@ def test_kernels_match_reference(kind, shape, bits, naive, dtype):
     x[0, 1] = 0.0  # constant patch
     with torch.no_grad():
         grad_out = torch.randn(unit(x).shape, dtype=dtype, generator=generator)
-    out_ref, stored_ref, grads_ref = _run(unit, x, grad_out, "torch")
-    out_k, stored_k, grads_k = _run(unit, x, grad_out, "numba")
+    return unit, x, grad_out
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("bits,naive", BITS_NAIVE)
+@pytest.mark.parametrize("kind,shape", CASES)
+def test_kernels_match_reference(kind, shape, bits, naive, dtype):
+    unit, x, grad_out = unit_case(kind, shape, bits, naive, dtype)
+    out_ref, stored_ref, grads_ref = run_unit(unit, x, grad_out, "torch")
+    out_k, stored_k, grads_k = run_unit(unit, x, grad_out, "numba")
     assert torch.equal(out_k, out_ref)
     assert torch.equal(stored_k, stored_ref)
     tolerance = {torch.float32: 2e-5, torch.float64: 1e-12}[dtype]

@@ -113,7 +113,7 @@ def test_bad_argument_is_one_error():
             pass
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.cuda
 def test_cuda_peak_matches_the_allocator():
     layers = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(8)]).cuda()
     x = torch.randn(4096, 256, device="cuda")

@@ -11,7 +11,8 @@ import math
 
 import pytest
 import torch
-from test_kinks import BACKENDS, DTYPES, same_bits, torch_grad, torch_module
+from devices import on_cuda
+from test_kinks import DTYPES, HAS_TRITON, same_bits, torch_grad, torch_module
 
 from fewbit_design.design import activations
 from fewbit_design.runtime import blpa, memory
@@ -40,15 +41,25 @@ def inputs(dtype, seed=0):
     return x.to(dtype), grad.to(dtype)
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
+# every backend on CPU (Triton under the interpreter), and the reference and the compiled Triton kernels on a GPU
+DEVICE_BACKENDS = [
+    pytest.param("cpu", "reference", id="cpu-reference"),
+    pytest.param("cpu", "numba", id="cpu-numba"),
+    pytest.param("cpu", "triton", id="cpu-triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="no triton")),
+    on_cuda("cuda", "reference", id="cuda-reference"),
+    on_cuda("cuda", "triton", id="cuda-triton"),
+]
+
+
+@pytest.mark.parametrize("device,backend", DEVICE_BACKENDS)
 @pytest.mark.parametrize("name", activations.names())
-def test_gradient_at_nan_and_inf_is_torchs(name, backend, make_table):
+def test_gradient_at_nan_and_inf_is_torchs(name, device, backend, make_table):
     table = make_table(name, 3)
     for dtype in DTYPES:
-        x, grad = inputs(dtype)
+        x, grad = (t.to(device) for t in inputs(dtype))
         leaf = x.clone().requires_grad_()
         with op.use_backend(backend):
-            op.fewbit_activation(leaf, torch_module(name), op.table_tensors(table)).backward(grad)
+            op.fewbit_activation(leaf, torch_module(name), op.table_tensors(table, device)).backward(grad)
         nonfinite = ~torch.isfinite(x)
         # NaN -> NaN; +-inf -> torch's gradient (torch's own at NaN depends on the element's position, see ops)
         expected = torch.where(torch.isnan(x), torch.full_like(grad, math.nan), torch_grad(name, x, grad))
@@ -56,7 +67,7 @@ def test_gradient_at_nan_and_inf_is_torchs(name, backend, make_table):
         # the finite elements keep the table's gradient: the same as on the finite elements alone
         finite = x[~nonfinite].clone().requires_grad_()
         with op.use_backend(backend):
-            op.fewbit_activation(finite, torch_module(name), op.table_tensors(table)).backward(grad[~nonfinite])
+            op.fewbit_activation(finite, torch_module(name), op.table_tensors(table, device)).backward(grad[~nonfinite])
         assert same_bits(leaf.grad[~nonfinite], finite.grad), (name, dtype)
 
 
@@ -118,6 +129,27 @@ def test_compiled_forward_marks_the_whole_gradient(make_table):
     assert torch.isfinite(finite.grad).all()
 
 
+def test_cuda_graph_capture_saves_the_flag_not_the_sparse_record(make_table, monkeypatch):
+    # during CUDA graph capture the forward must not synchronise with the host (the sparse record's bool() and
+    # nonzero() would fail the capture): it saves the compiled form's flag. The capture test itself is
+    # test_cuda_kernels.py::test_cuda_graph_captures_forward_and_backward; here the capture state is faked on CPU.
+    module = fnn.SiLU(table=make_table("silu", 3))
+    record = op.nonfinite_record
+    monkeypatch.setattr(op, "nonfinite_record", lambda x: pytest.fail("the sparse record synchronises"))
+    monkeypatch.setattr(op, "_capturing", lambda x: True, raising=False)
+    x = torch.tensor([1.0, math.nan, -2.0], requires_grad=True)
+    module(x).sum().backward()
+    assert torch.isnan(x.grad).all()
+    finite = torch.tensor([1.0, 0.5, -2.0], requires_grad=True)
+    module(finite).sum().backward()
+    assert torch.isfinite(finite.grad).all()
+    monkeypatch.setattr(op, "nonfinite_record", record)
+    monkeypatch.setattr(op, "_capturing", lambda x: False)  # outside a capture: the exact rule again
+    x.grad = None
+    module(x).sum().backward()
+    assert torch.isnan(x.grad).tolist() == [False, True, False]
+
+
 def blpa_pair(bits=4):
     torch.manual_seed(0)
     reference = torch.nn.Sequential(torch.nn.BatchNorm2d(3), torch.nn.ReLU(), torch.nn.Conv2d(3, 4, 3, padding=1))
@@ -125,17 +157,19 @@ def blpa_pair(bits=4):
     return reference, blpa.BNReLUConv2d.from_modules(*parts, bits=bits)
 
 
-@pytest.fixture(params=["torch", "numba"])
-def blpa_backend(request):
-    blpa.set_backend(request.param)
-    yield request.param
+@pytest.fixture(params=[("cpu", "torch"), ("cpu", "numba"), on_cuda(("cuda", "torch"))], ids=lambda p: "-".join(p))
+def blpa_device(request):
+    """The device of a BLPA test, with the BLPA backend set for it (CUDA tensors run the torch backend)."""
+    device, backend = request.param
+    blpa.set_backend(backend)
+    yield device
     blpa.set_backend("auto")
 
 
 @pytest.mark.parametrize("special", SPECIAL)
-def test_blpa_gradients_are_non_finite_where_torchs_are(special, blpa_backend):
-    reference, unit = blpa_pair()
-    x = torch.randn(2, 3, 5, 5)
+def test_blpa_gradients_are_non_finite_where_torchs_are(special, blpa_device):
+    reference, unit = (module.to(blpa_device) for module in blpa_pair())
+    x = torch.randn(2, 3, 5, 5, device=blpa_device)
     x[0, 1, 2, 3] = special
     x_reference, x_unit = x.clone().requires_grad_(), x.clone().requires_grad_()
     out_reference, out_unit = reference(x_reference), unit(x_unit)
@@ -155,8 +189,8 @@ def test_blpa_gradients_are_non_finite_where_torchs_are(special, blpa_backend):
     assert not torch.isfinite(unit.op.weight.grad).all()  # before the rule, A3~ from the codes hid the NaN here
 
 
-def test_blpa_finite_input_still_stores_codes(blpa_backend):
+def test_blpa_finite_input_still_stores_codes(blpa_device):
     _, unit = blpa_pair(bits=4)
-    out = unit(torch.randn(2, 3, 5, 5, requires_grad=True))
+    out = unit.to(blpa_device)(torch.randn(2, 3, 5, 5, device=blpa_device, requires_grad=True))
     stored = out.grad_fn.saved_tensors[0]
     assert stored.dtype == torch.uint8 and stored.numel() == packed_nbytes(2 * 3 * 5 * 5, 4)

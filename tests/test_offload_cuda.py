@@ -12,10 +12,13 @@ from fewbit_design.runtime import offload
 from fewbit_design.runtime.offload import cuda
 from fewbit_design.runtime.offload.layout import describe, raw_bytes
 
-pytestmark = pytest.mark.skipif(
-    not torch.cuda.is_available(),
-    reason="needs a CUDA GPU; the CUDA target's ordering logic is tested on CPU in test_offload_schedule.py",
-)
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(
+        not torch.cuda.is_available(),
+        reason="needs a CUDA GPU; the CUDA target's ordering logic is tested on CPU in test_offload_schedule.py",
+    ),
+]
 
 
 def held_pinned_bytes():
@@ -106,6 +109,22 @@ def test_exception_in_forward_returns_buffers():
         with offload.saved_tensors(target="cuda-host", min_bytes=0):
             model(torch.randn(512, 256, device="cuda"))
             raise RuntimeError("boom")
+    assert held_pinned_bytes() == 0
+
+
+@pytest.mark.parametrize("error", [RuntimeError, KeyboardInterrupt])
+def test_exception_in_backward_returns_buffers(error):
+    # the disk target's twin is test_offload.py::test_exception_in_backward
+    model = nn.Sequential(nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 256), nn.Tanh(), nn.Linear(256, 1)).cuda()
+    with offload.saved_tensors(target="cuda-host", min_bytes=0, prefetch=2) as stats:
+        hidden = model[:3](torch.randn(512, 256, device="cuda"))
+        hidden.register_hook(lambda grad: (_ for _ in ()).throw(error("boom")))
+        loss = model[3:](hidden).sum()
+    assert stats.tensors >= 2 and held_pinned_bytes() > 0
+    with pytest.raises(error):
+        loss.backward()
+    del loss, hidden
+    torch.cuda.synchronize()
     assert held_pinned_bytes() == 0
 
 

@@ -11,6 +11,7 @@ import copy
 
 import pytest
 import torch
+from devices import DEVICES
 from torch import nn
 
 from fewbit_design.errors import FewBitError
@@ -37,7 +38,7 @@ def gradients(model: nn.Module, x: torch.Tensor, grad_output: torch.Tensor | Non
     torch.manual_seed(seed)
     y = model(x)
     if grad_output is None:
-        grad_output = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype)
+        grad_output = torch.randn(y.shape, generator=torch.Generator().manual_seed(1), dtype=y.dtype).to(y.device)
     inputs = [p for p in model.parameters()] + ([x] if x.requires_grad else [])
     grads = torch.autograd.grad(y, inputs, grad_output, allow_unused=True)
     return y, grad_output, [torch.zeros_like(t) if g is None else g for g, t in zip(grads, inputs, strict=True)]
@@ -63,29 +64,31 @@ def small_net(arch: str, depth: int = 3, **options) -> nn.Module:
 # Exactness against the store-everything oracle.
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("arch", ["revnet", "hybrid"])
 @pytest.mark.parametrize("train", [True, False], ids=["train", "eval"])
-def test_gradients_equal_the_oracle_in_float64(arch, train):
+def test_gradients_equal_the_oracle_in_float64(arch, train, device):
     torch.manual_seed(0)
     options = {"dropout": 0.3} if arch == "revnet" else {}
-    model = small_net(arch, **options).double().train(train)
+    model = small_net(arch, **options).double().train(train).to(device)
     oracle = oracle_of(model)
-    x = torch.randn(4, 3, 8, 12, dtype=torch.float64, requires_grad=True)
+    x = torch.randn(4, 3, 8, 12, dtype=torch.float64, requires_grad=True).to(device)
     y, grad_output, got = gradients(model, x, None)
     y_oracle, _, want = gradients(oracle, x, grad_output)
     assert torch.equal(y, y_oracle)  # same ops in the same order in forward
     assert relative_error(got, want) < 1e-10
 
 
-def test_dropout_is_replayed_and_the_callers_rng_is_untouched():
+@pytest.mark.parametrize("device", DEVICES)
+def test_dropout_is_replayed_and_the_callers_rng_is_untouched(device):
     torch.manual_seed(0)
-    model = small_net("revnet", dropout=0.5).double()
+    model = small_net("revnet", dropout=0.5).double().to(device)
     oracle = oracle_of(model)
-    x = torch.randn(4, 3, 8, 12, dtype=torch.float64)
+    x = torch.randn(4, 3, 8, 12, dtype=torch.float64).to(device)
     _, grad_output, got = gradients(model, x, None, seed=5)
-    after_reversible = torch.rand(3)
+    after_reversible = torch.rand(3, device=device)  # dropout draws from the RNG of x's device
     _, _, want = gradients(oracle, x, grad_output, seed=5)
-    after_oracle = torch.rand(3)
+    after_oracle = torch.rand(3, device=device)
     assert relative_error(got, want) < 1e-10
     # forward consumed the same random numbers as the oracle and backward consumed none of the caller's
     assert torch.equal(after_reversible, after_oracle)

@@ -35,6 +35,13 @@ def _group_offsets_kernel(out_ptr, pid, BLOCK_GROUPS: tl.constexpr):
 
 
 @triton.jit
+def _bfloat16_bits_to_float32(pattern):
+    # a bfloat16 arrives as its int16 bit pattern: float32 = pattern << 16, exact for subnormals too (the
+    # interpreter's bfloat16 conversion flushes them to zero)
+    return (pattern.to(tl.uint16).to(tl.uint32) << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _float32_to_bfloat16(value):
     # round to nearest even exactly as torch does (c10::BFloat16), also under the interpreter (which truncates):
     # bf16 = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16, NaN -> 0x7FC0
@@ -61,10 +68,7 @@ def _fewbit_forward_kernel(
     mask = elements < numel
     # compare in the dtype of the boundaries (float64 for float64 x, else float32; upcasts are exact)
     if IN_BF16:
-        # bfloat16 x arrives as its int16 bit pattern: float32 = pattern << 16, exact for subnormals too (the
-        # interpreter's bfloat16 conversion flushes them to zero)
-        pattern = tl.load(x_ptr + elements, mask=mask, other=0).to(tl.uint16).to(tl.uint32)
-        x = (pattern << 16).to(tl.float32, bitcast=True)
+        x = _bfloat16_bits_to_float32(tl.load(x_ptr + elements, mask=mask, other=0))
     else:
         x = tl.load(x_ptr + elements, mask=mask, other=0.0).to(boundaries_ptr.dtype.element_ty)
     # interval = number of boundaries <= x = len(boundaries) - #(x < boundary); NaN lands in the last interval
@@ -91,7 +95,7 @@ def _fewbit_backward_kernel(
     numel,
     BITS: tl.constexpr,
     BLOCK_GROUPS: tl.constexpr,
-    OUT_BF16: tl.constexpr,
+    OUT_BF16: tl.constexpr,  # bfloat16 grad (as its int16 bit pattern) and output
 ):
     pid = tl.program_id(0)
     groups, elements = _group_offsets(pid, BLOCK_GROUPS)
@@ -104,7 +108,10 @@ def _fewbit_backward_kernel(
     shifts = tl.arange(0, 8).to(tl.int64)[None, :] * BITS
     codes = (word[:, None] >> shifts) & ((1 << BITS) - 1)
     levels = tl.load(levels_ptr + codes, mask=mask, other=0.0)
-    grad = tl.load(grad_ptr + elements, mask=mask, other=0.0)
+    if OUT_BF16:
+        grad = _bfloat16_bits_to_float32(tl.load(grad_ptr + elements, mask=mask, other=0))
+    else:
+        grad = tl.load(grad_ptr + elements, mask=mask, other=0.0)
     # grad_input = grad * levels[code], computed in the dtype of the levels (float32, or float64 for float64 grads)
     result = grad.to(levels_ptr.dtype.element_ty) * levels
     # a zero level selects +0 (as torch's backward does), not grad * 0 (-0 for negative grad, NaN for inf / NaN)

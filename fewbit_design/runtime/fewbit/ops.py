@@ -470,15 +470,17 @@ def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
     kernels = _triton_kernels()
     block = kernels.BLOCK_GROUPS
     grid = (_cdiv(_cdiv(numel, 8), block),)
+    flat = _flat_contiguous(grad)
+    in_bf16 = grad.dtype == torch.bfloat16
     kernels._fewbit_backward_kernel[grid](
-        _flat_contiguous(grad),
+        flat.view(torch.int16) if in_bf16 else flat,
         packed,
         levels.contiguous(),
         out,
         numel,
         BITS=bits,
         BLOCK_GROUPS=block,
-        OUT_BF16=grad.dtype == torch.bfloat16,
+        OUT_BF16=in_bf16,
     )
     return out
 
@@ -628,6 +630,12 @@ def _nonfinite_gradient(
     return torch.where(torch.isnan(values), nan, result.to(values.dtype))
 
 
+def _capturing(x: torch.Tensor) -> bool:
+    """Whether a CUDA graph is being captured on the current stream (for a CUDA tensor ``x``): then the forward saves
+    the compiled form's non-finite flag, since no host synchronisation is allowed."""
+    return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
 class _FewBitFunction(torch.autograd.Function):
     # Non-finite inputs (issue 16.1): codes have no spare value, so NaN and +-inf elements are kept in a sparse
     # record beside the packed codes (nonfinite_record: positions + values, None when all finite, i.e. zero extra
@@ -642,8 +650,9 @@ class _FewBitFunction(torch.autograd.Function):
     def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
         # the native module's output and x is not saved. Eager calls the launcher directly (the custom op's Python
-        # wrapper costs ~0.1 ms a call); torch.compile traces the custom op.
-        if torch.compiler.is_compiling():
+        # wrapper costs ~0.1 ms a call); torch.compile traces the custom op. A CUDA graph capture takes the compiled
+        # form too: the sparse record's bool() and nonzero() synchronise with the host, which a capture forbids.
+        if torch.compiler.is_compiling() or _capturing(x):
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None
