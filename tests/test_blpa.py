@@ -597,3 +597,13 @@ def test_double_backward_is_one_clear_error(bits):
         grad.sum().backward()
     (grad,) = torch.autograd.grad(unit(x).square().sum(), x)  # first order is unaffected
     assert grad.shape == x.shape
+
+
+def test_double_backward_never_drops_the_units_part_silently():
+    """An incoming gradient without a graph (a linear loss) let the first pass succeed with a gradient that had no
+    graph through the unit: the second derivative came out without the unit's part, and no error."""
+    unit, _ = _linear_pair(None)
+    x = torch.randn(9, 5, dtype=DOUBLE, requires_grad=True)
+    weights = torch.randn(3, dtype=DOUBLE)
+    with pytest.raises(FewBitError, match="higher-order gradients"):
+        torch.autograd.grad((unit(x) * weights).sum() + x.pow(3).sum(), x, create_graph=True)

@@ -464,3 +464,11 @@ def test_double_backward_is_one_clear_error(arch):
     (grad,) = torch.autograd.grad(oracle(x).square().sum(), x, create_graph=True)
     grad.sum().backward()
     assert x.grad is not None
+
+
+def test_double_backward_never_drops_the_sequences_part_silently():
+    model = small_net("revnet", depth=2).double()
+    x = torch.randn(2, 3, 8, 12, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(model(x).shape, dtype=torch.float64)
+    with pytest.raises(FewBitError, match="higher-order gradients"):
+        torch.autograd.grad((model(x) * weights).sum() + x.pow(3).sum(), x, create_graph=True)
