@@ -871,3 +871,32 @@ def test_torch_save_of_an_offloaded_model(tmp_path, one_torch_thread):
     for got, expected in zip(loaded.parameters(), model.parameters(), strict=True):
         assert torch.equal(got.grad, expected.grad)
     assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("form", ["region", "apply"])
+def test_ctrl_c_right_after_the_hooks_are_pushed_leaves_no_hooks(form, tmp_path, monkeypatch):
+    """An interrupt can come right after torch pushed the hooks, before the block is set up to pop them: the
+    hooks of a dead step would then stay on the stack and catch every later saved tensor of the thread."""
+    push = torch.autograd.graph.saved_tensors_hooks.__enter__
+
+    def interrupted(self):
+        push(self)
+        raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path) if form == "apply" else None
+    monkeypatch.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if form == "apply":
+            model(torch.randn(8, 16))
+        else:
+            with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path):
+                pass
+    monkeypatch.undo()
+    from fewbit_design.runtime.offload import session
+
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None  # nothing left on the stack
+    assert getattr(session._ACTIVE, "stats", []) == []  # and no stats left counting
+    if handle is not None:
+        handle.remove()
+    assert_nothing_left(tmp_path, freed_outside_backward=True)

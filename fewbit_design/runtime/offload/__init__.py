@@ -107,6 +107,12 @@ class _Options:
         )
 
 
+def _top_hooks() -> tuple[Any, Any] | None:
+    """The saved-tensor hooks on top of this thread's stack (pack, unpack), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
+
+
 class _Region:
     """The ``with`` block of :func:`saved_tensors` (or one module call under :func:`apply`).
 
@@ -130,9 +136,17 @@ class _Region:
             assert self._options is not None, "a region has a session or the options to make one"
             self._session = self._options.session()
         session = self._session
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
-        self._hooks.__enter__()
+        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
         push_stats(session.stats)
+        try:
+            hooks.__enter__()
+        except BaseException:  # (a Ctrl-C right after the push): leave no hooks behind that nobody pops
+            if _top_hooks() == (hooks.pack_hook, hooks.unpack_hook):
+                hooks.__exit__(None, None, None)
+            pop_stats(session.stats)
+            self._session = None
+            raise
+        self._hooks = hooks
         return session.stats
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
@@ -140,8 +154,9 @@ class _Region:
         if session is None:
             return
         pop_stats(session.stats)
-        self._hooks.__exit__(exc_type, exc, traceback)
-        self._hooks = None
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, traceback)
+            self._hooks = None
         if exc_type is not None:
             session.close(f"the offload region exited with {exc_type.__name__}: its saved tensors were discarded")
         elif not session.packed:  # nothing was saved inside: no backward will ever use the session
@@ -222,8 +237,8 @@ class _ModuleOffloader:
             self._session = weakref.ref(session)
             self.stats = session.stats
         region = _Region(session)
+        self._regions.append(region)  # (first: the caller's exit pops it even if entering is interrupted)
         region.__enter__()
-        self._regions.append(region)
 
     def exit(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         region = self._regions.pop()
@@ -253,11 +268,13 @@ class _OffloadedForward:
         return (_OffloadedForward, (self.forward, self.offloader))
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.offloader.enter()
+        depth = len(self.offloader._regions)
         try:
+            self.offloader.enter()
             result = self.forward(*args, **kwargs)
         except BaseException as error:
-            self.offloader.exit(type(error), error, error.__traceback__)
+            if len(self.offloader._regions) > depth:  # (entered, or interrupted while entering)
+                self.offloader.exit(type(error), error, error.__traceback__)
             raise
         self.offloader.exit(None, None, None)
         return result
