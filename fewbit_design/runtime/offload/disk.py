@@ -280,7 +280,7 @@ class DiskTarget:
             fd, self._fd = self._fd, None
             size = max(self.reused, getattr(self, "end", 0))
             if self._failed or self._path is not None or self._folder is None or not _give_back(self._folder, fd, size):
-                os.close(fd)
+                _close_all([fd])  # (an error closing is not the caller's: close runs at safe points in its code)
         if self._path is not None:
             _unlink_quietly(self._path)
             self._path = None
