@@ -565,3 +565,45 @@ def test_bad_inputs_raise():
             blpa.preact_resnet(depth)
     with pytest.raises(FewBitError, match="width must be a positive integer"):
         blpa.preact_resnet(20, width=0)
+
+
+@pytest.mark.parametrize("kind", sorted(PAIRS))
+@pytest.mark.parametrize("bits", [None, 4])
+def test_an_empty_batch_in_training_gives_what_the_unfused_modules_give(kind, bits):
+    """torch's BatchNorm returns an empty tensor for an empty batch in training (and counts the batch); a unit
+    refused it ('more than 1 value per channel')."""
+    build, shape = PAIRS[kind]
+    unit, reference = build(bits)
+    empty = (0,) + tuple(shape[1:])
+    x = torch.randn(empty, dtype=DOUBLE, requires_grad=True)
+    x_ref = x.detach().clone().requires_grad_()
+    out, expected = unit(x), reference(x_ref)
+    assert out.shape == expected.shape and out.numel() == 0
+    out.sum().backward()
+    expected.sum().backward()
+    assert x.grad.shape == x_ref.grad.shape
+    for got, want in zip(unit.state_dict().values(), reference.state_dict().values(), strict=True):
+        assert torch.equal(got, want)  # running statistics and the batch count as torch keeps them
+    for got, want in zip(unit.parameters(), reference.parameters(), strict=True):
+        assert torch.equal(got.grad, want.grad)
+
+
+@pytest.mark.parametrize("bits", [None, 4])
+def test_double_backward_is_one_clear_error(bits):
+    unit, _ = _linear_pair(bits)
+    x = torch.randn(9, 5, dtype=DOUBLE, requires_grad=True)
+    with pytest.raises(FewBitError, match="BLPA units do not support higher-order gradients"):
+        (grad,) = torch.autograd.grad(unit(x).square().sum(), x, create_graph=True)
+        grad.sum().backward()
+    (grad,) = torch.autograd.grad(unit(x).square().sum(), x)  # first order is unaffected
+    assert grad.shape == x.shape
+
+
+def test_double_backward_never_drops_the_units_part_silently():
+    """An incoming gradient without a graph (a linear loss) let the first pass succeed with a gradient that had no
+    graph through the unit: the second derivative came out without the unit's part, and no error."""
+    unit, _ = _linear_pair(None)
+    x = torch.randn(9, 5, dtype=DOUBLE, requires_grad=True)
+    weights = torch.randn(3, dtype=DOUBLE)
+    with pytest.raises(FewBitError, match="higher-order gradients"):
+        torch.autograd.grad((unit(x) * weights).sum() + x.pow(3).sum(), x, create_graph=True)

@@ -4,6 +4,7 @@ Expected numbers come from what each torch op is documented to save: Linear save
 parameter), ReLU/Sigmoid/Tanh save their output, BatchNorm in training saves its input plus per-channel statistics.
 """
 
+import pytest
 import torch
 
 from fewbit_design.runtime import memory
@@ -74,3 +75,64 @@ def test_hooks_are_removed_afterwards():
     with memory.saved_bytes(model):
         pass
     assert not model._forward_hooks and not model._forward_pre_hooks
+
+
+def _chain_of_three():
+    x = torch.randn(100, requires_grad=True)
+    y = torch.sigmoid(x * 2)  # saves its output (400 bytes)
+    return torch.tanh(y).sum()  # saves its output (400 bytes)
+
+
+def test_nested_blocks_each_count_everything_saved_inside_them():
+    torch.manual_seed(0)
+    with memory.saved_bytes() as alone:
+        _chain_of_three()
+    with memory.saved_bytes() as outer:
+        with memory.saved_bytes() as inner:
+            _chain_of_three()
+        with memory.saved_bytes() as second:
+            with memory.saved_bytes() as innermost:
+                torch.exp(torch.randn(10, requires_grad=True) * 1)  # exp saves its output: 40 bytes
+    assert alone.total == 800
+    assert inner.total == 800 and second.total == innermost.total == 40
+    assert outer.total == alone.total + 40 and outer.tensors == alone.tensors + 1
+
+
+def test_nested_blocks_with_a_model_attribute_per_module():
+    model = torch.nn.Sequential(torch.nn.Linear(10, 20), torch.nn.ReLU(), torch.nn.Linear(20, 5))
+    x = torch.randn(8, 10)
+    with memory.saved_bytes(model) as alone:
+        model(x)
+    with memory.saved_bytes(model) as outer, memory.saved_bytes(model[2]) as inner:
+        model(x)
+    assert outer.total == alone.total and outer.by_module == alone.by_module == {"0": 320, "1": 640}
+    assert inner.total == alone.total  # everything saved inside the block (model[2] only names the modules)
+
+
+def test_measuring_inside_an_offload_region_does_not_stop_the_offloading(tmp_path):
+    """The count goes on to the hooks active at entry (an offload region here), as if the block were not there."""
+    from fewbit_design.runtime import offload
+
+    x = torch.randn(4096, requires_grad=True)
+    expected = torch.autograd.grad(torch.tanh(torch.tanh(x * 1)).sum(), x)[0]
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as stats:
+        with memory.saved_bytes() as m:
+            loss = torch.tanh(torch.tanh(x * 1)).sum()
+    assert m.total == 2 * 4096 * 4  # both tanh outputs, counted on their way to the offload region
+    assert stats.tensors == 2  # and offloaded
+    assert torch.equal(torch.autograd.grad(loss, x)[0], expected)
+    offload.empty_cache()
+
+
+def test_a_block_object_measures_one_block():
+    from fewbit_design.errors import FewBitError
+
+    m = memory.saved_bytes()
+    with m:
+        pass
+    with pytest.raises(FewBitError, match=r"memory.saved_bytes\(\) object .* already entered"):
+        with m:
+            pass
+    m = memory.saved_bytes()
+    with pytest.raises(FewBitError, match="already entered"), m, m:
+        pass

@@ -122,3 +122,49 @@ def test_cuda_peak_matches_the_allocator():
         layers(x).sum().backward()
     assert p.cuda_peak_bytes is not None
     assert abs(p.peak_bytes - p.cuda_peak_bytes) <= 0.05 * p.cuda_peak_bytes
+
+
+def test_a_peak_object_measures_one_block():
+    x = torch.randn(100)
+    p = memory.peak(x)
+    with p as first:
+        y = x * 2
+    assert first.peak_bytes == 400
+    with pytest.raises(FewBitError, match=r"memory.peak\(\) object .* already entered; call memory.peak\(\) again"):
+        with p:
+            pass
+    p = memory.peak(x)
+    with pytest.raises(FewBitError, match="already entered"), p, p:
+        pass
+    with memory.peak(x) as outer, memory.peak(x) as inner:  # two objects nest: each sees every operator
+        y = x * 2
+        z = x * 3
+    assert outer.peak_bytes == inner.peak_bytes == 800
+    del y, z
+
+
+def test_live_bytes_read_inside_the_block_counts_the_storages_freed_since_the_last_operator():
+    with memory.peak() as p:
+        t = torch.empty(1000)
+        assert p.live_bytes == 4000
+        del t
+        assert p.live_bytes == 0  # freed between operators: no operator ran since
+        p.reset_peak()
+        assert p.peak_bytes == 0
+
+
+def test_no_python_code_runs_when_a_storage_is_freed():
+    """A KeyboardInterrupt raised while Python runs a finalizer is printed and lost (Ctrl-C would not stop a
+    measured step): freeing a counted storage only queues it (a C callback)."""
+    import sys
+
+    calls = []
+    with memory.peak() as p:
+        t = torch.empty(1000)
+        sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code.co_name) if event == "call" else None)
+        try:
+            del t
+        finally:
+            sys.setprofile(None)
+        assert p.live_bytes == 0
+    assert calls == []

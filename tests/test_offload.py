@@ -5,6 +5,9 @@ import copy
 import errno
 import gc
 import os
+import re
+import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -18,6 +21,7 @@ from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import offload
 from fewbit_design.runtime.offload import disk
 from fewbit_design.runtime.offload.layout import describe, raw_bytes
+from fewbit_design.runtime.offload.session import close_freed
 
 DTYPES = [
     torch.float32,
@@ -54,31 +58,37 @@ def offload_threads():
     return [t for t in threading.enumerate() if t.name.startswith("fewbit-offload")]
 
 
-def open_offload_files():
-    """Descriptors of this process that point at offload files (unlinked files show as '... (deleted)')."""
+def open_offload_files(directory):
+    """Descriptors of this process that point at offload files in ``directory``: unnamed files (Linux O_TMPFILE,
+    shown as 'directory/#inode (deleted)') or named ones that were unlinked ('.../fewbit-offload-... (deleted)')."""
     if not os.path.isdir("/proc/self/fd"):  # (not Linux: only the folder listing checks for files left)
         return []
+    folder = os.path.realpath(directory) + os.sep
     found = []
     for fd in os.listdir("/proc/self/fd"):
         try:
             target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
             continue
-        if "fewbit-offload-" in target:
+        name = target[len(folder) :]
+        unnamed = re.fullmatch(r"#\d+ \(deleted\)", name)
+        if target.startswith(folder) and (name.startswith("fewbit-offload-") or unnamed):
             found.append(target)
     return found
 
 
-def assert_nothing_left(directory, collect=True):
+def assert_nothing_left(directory, collect=True, freed_outside_backward=False):
     if collect:  # (reference counting frees a plain graph; collect where a test made cycles)
         gc.collect()
+    if freed_outside_backward:  # its file is given back at the next safe point (next step, empty_cache): run it
+        close_freed()
     for thread in offload_threads():
         thread.join(timeout=30)  # a liveness wait, not a timing claim: the thread ends when its queue is empty
     assert offload_threads() == []
     assert os.listdir(directory) == []
-    assert len(open_offload_files()) == disk.idle_files()  # every open file is an idle one, kept for reuse
+    assert len(open_offload_files(directory)) == disk.idle_files()  # every open file is an idle one, kept for reuse
     offload.empty_cache()
-    assert open_offload_files() == []
+    assert open_offload_files(directory) == []
 
 
 def random_bytes_tensor(shape, dtype, generator):
@@ -366,7 +376,7 @@ def test_modified_in_place_never_gives_a_wrong_gradient(tmp_path):
         else:
             assert torch.equal(x.grad, expected)
         del z
-    assert_nothing_left(tmp_path)
+    assert_nothing_left(tmp_path, freed_outside_backward=True)  # (when backward raised)
 
 
 # -- nothing lost, nothing leaked -----------------------------------------------------------------------------------
@@ -408,15 +418,32 @@ def test_exception_in_backward(error, tmp_path):
         thread.join(timeout=30)
     assert offload_threads() == []  # no thread runs even while the user still holds the graph
     del loss, hidden
-    assert_nothing_left(tmp_path)
+    assert_nothing_left(tmp_path, freed_outside_backward=True)
 
 
 def test_graph_freed_without_backward(tmp_path):
     model = nn.Sequential(nn.Linear(64, 64), nn.Tanh(), nn.Linear(64, 64), nn.Tanh())
     with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as stats:
         loss = model(torch.randn(32, 64)).sum()
-    assert stats.tensors >= 2 and open_offload_files()
+    assert stats.tensors >= 2 and open_offload_files(tmp_path)
     del loss
+    assert_nothing_left(tmp_path, freed_outside_backward=True)
+
+
+def test_graph_freed_without_backward_gives_its_file_to_the_next_step(tmp_path):
+    """No Python code runs while autograd frees a graph (a Ctrl-C there would be lost): the file of a graph
+    dropped without backward is given back when the next step starts, and that step reuses it."""
+    x = torch.randn(4096, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path):
+        loss = torch.tanh(torch.tanh(x * 1)).sum()
+    del loss
+    assert len(open_offload_files(tmp_path)) == 1 and disk.idle_files() == 0  # freed, not given back yet
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as stats:
+        assert len(open_offload_files(tmp_path)) == 1  # the next step took the same file
+        loss = torch.tanh(torch.tanh(x * 1)).sum()
+    loss.backward()
+    assert stats.tensors == 2
+    assert disk.idle_files() == 1  # given back at the end of backward
     assert_nothing_left(tmp_path)
 
 
@@ -447,7 +474,7 @@ def test_unwritable_or_missing_directory(tmp_path):
     if sys.platform.startswith("linux"):
         with pytest.raises(FewBitError, match="not writable"):  # /proc refuses new files, even to root
             offload.saved_tensors(target="disk", directory="/proc")
-    assert open_offload_files() == []
+    assert open_offload_files(tmp_path) == []
 
 
 def test_full_disk_fails_at_entry(tmp_path, monkeypatch):
@@ -516,7 +543,7 @@ def test_read_error_is_one_clear_error(tmp_path, monkeypatch):
         loss.backward()
     assert x.grad is None
     del loss
-    assert_nothing_left(tmp_path)
+    assert_nothing_left(tmp_path, freed_outside_backward=True)
 
 
 @pytest.mark.parametrize(
@@ -574,8 +601,8 @@ def test_apply_keeps_parameters_and_buffers(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh())
     handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)
     with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as plain:
-        model(torch.randn(8, 16)).sum().backward()  # the inner (module) region wins: this one sees nothing
-    assert plain.tensors == 0
+        model(torch.randn(8, 16)).sum().backward()  # the inner (module) region offloads; this one counts it too
+    assert (plain.tensors, plain.bytes) == (handle.stats.tensors, handle.stats.bytes)  # and offloaded nothing itself
     buffers = {b.untyped_storage().data_ptr() for b in model.buffers()}
     assert handle.stats.tensors >= 2 and buffers
     handle.remove()
@@ -597,7 +624,7 @@ def test_apply_exception_in_forward(tmp_path):
 def test_apply_evaluation_opens_no_file(tmp_path):
     model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
     handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)  # probes: one idle file
-    assert len(open_offload_files()) == disk.idle_files() == 1
+    assert len(open_offload_files(tmp_path)) == disk.idle_files() == 1
     with torch.no_grad():
         model(torch.randn(4, 16))
         assert disk.idle_files() == 1  # not taken: no step began
@@ -625,3 +652,251 @@ def test_lean_import():
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- nesting, interrupts, the idle pool, pickling ---------------------------------------------------------------------
+def two_tanh(x):
+    return torch.tanh(torch.tanh(x * 1)).sum()
+
+
+def test_nested_regions_count_in_every_enclosing_stats(tmp_path):
+    x = torch.randn(4096, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as alone:
+        two_tanh(x).backward()
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as outer:
+        first = two_tanh(x)
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as inner:
+            second = two_tanh(x)
+    (first + second).backward()
+    assert alone.tensors == inner.tensors == 2 and alone.bytes == inner.bytes == 2 * 4096 * 4
+    assert (outer.tensors, outer.bytes) == (2 * alone.tensors, 2 * alone.bytes)
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path, max_host_bytes=4096 * 4) as capped:
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path) as free:
+            two_tanh(x).backward()
+        two_tanh(x).backward()  # the capped region: one tensor fits, one is kept in memory
+    assert (free.tensors, free.kept_tensors) == (2, 0)
+    assert (capped.tensors, capped.kept_tensors) == (3, 1)
+    assert_nothing_left(tmp_path)
+
+
+def test_a_region_is_entered_once(tmp_path):
+    region = offload.saved_tensors(target="disk", directory=tmp_path)
+    with region:
+        pass
+    with pytest.raises(FewBitError, match="entered once"):
+        with region:
+            pass
+    region = offload.saved_tensors(target="disk", directory=tmp_path)
+    with pytest.raises(FewBitError, match="entered once"), region, region:
+        pass
+    assert_nothing_left(tmp_path)
+
+
+def python_calls_during(action):
+    """The Python functions that run during ``action()`` (called from Python or from C, e.g. by a finalizer)."""
+    calls = []
+    sys.setprofile(lambda frame, event, arg: calls.append(frame.f_code) if event == "call" else None)
+    try:
+        action()
+    finally:
+        sys.setprofile(None)
+    return calls
+
+
+def test_freeing_an_offloaded_graph_runs_no_python_code(tmp_path):
+    """A KeyboardInterrupt that lands while Python runs a __del__ or a weakref finalizer is printed ('Exception
+    ignored') and lost, so the training loop goes on. Records and sessions are freed with autograd's graph: that
+    must run no Python code at all (the work waits for the next safe point)."""
+    x = torch.randn(4096, requires_grad=True)
+    holder = {}
+    with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
+        holder["loss"] = two_tanh(x)
+    assert stats.tensors == 2
+    assert python_calls_during(holder.clear) == []
+    assert_nothing_left(tmp_path, freed_outside_backward=True)
+
+
+def test_backward_runs_no_finalizer(tmp_path):
+    x = torch.randn(4096, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path):
+        loss = two_tanh(x)
+    calls = python_calls_during(loss.backward)
+    finalizers = [code for code in calls if code.co_name == "__del__" or code.co_filename.endswith("weakref.py")]
+    assert finalizers == []
+    assert disk.idle_files() == 1  # the end of backward was the safe point: the file is back in the pool
+    assert_nothing_left(tmp_path)
+
+
+def test_ctrl_c_inside_thread_start_is_held_back_until_the_thread_runs(tmp_path, monkeypatch):
+    """Ctrl-C inside Thread.start() (Python code) can leave the new thread blocked forever on a lock it needs, or
+    never started with the job queued for it: the start is shielded, and the interrupt is raised once it returned."""
+    from fewbit_design.runtime.offload.worker import Job, Worker
+
+    start = threading.Thread.start
+
+    def interrupted_start(thread):
+        signal.raise_signal(signal.SIGINT)  # the handler runs at the next check: inside start, unshielded
+        start(thread)
+
+    worker = Worker("test")
+    job = Job(lambda: 1)
+    monkeypatch.setattr(threading.Thread, "start", interrupted_start)
+    with pytest.raises(KeyboardInterrupt):
+        worker.submit(job)
+    monkeypatch.undo()
+    worker.close(RuntimeError("closed"))  # waits for the job the thread runs
+    assert job.done and job.result == 1
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert_nothing_left(tmp_path)
+
+
+def test_a_thread_that_cannot_start_leaves_nothing_queued(tmp_path, monkeypatch):
+    from fewbit_design.runtime.offload.worker import Job, Worker
+
+    def cannot_start(thread):
+        raise RuntimeError("can't start new thread")
+
+    worker = Worker("test")
+    job = Job(lambda: 1)
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start"):
+        worker.submit(job)
+    monkeypatch.undo()
+    assert job.done  # cancelled: never left waiting for a thread that will not come
+    assert job.result is None and "did not start" in str(job.error)
+    later = worker.submit(Job(lambda: 2))  # the next job starts a thread
+    later.wait()
+    assert later.result == 2
+    worker.close(RuntimeError("closed"))
+    assert_nothing_left(tmp_path)
+
+
+def test_interrupt_while_creating_the_file_leaves_no_file(tmp_path, monkeypatch):
+    def fsync(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(disk.os, "fsync", fsync)
+    with pytest.raises(KeyboardInterrupt):
+        offload.saved_tensors(target="disk", directory=tmp_path)
+    monkeypatch.undo()
+    assert_nothing_left(tmp_path)
+
+
+def open_descriptors():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_idle_files_of_removed_folders_are_closed(tmp_path):
+    """A new folder per step, removed after the step: the pool keeps no file of a removed folder (it kept one
+    descriptor, and the disk space of one step, per folder ever used)."""
+    x = torch.randn(1 << 16, requires_grad=True)
+    before = open_descriptors()
+    for step in range(40):
+        folder = tmp_path / f"step{step}"
+        folder.mkdir()
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=folder):
+            loss = two_tanh(x)
+        loss.backward()
+        shutil.rmtree(folder)
+        assert open_descriptors() <= before + 1  # the file of the step just done (its folder was just removed)
+    assert disk.idle_files() == 0 and open_descriptors() == before
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_idle_files_are_capped_in_all(tmp_path):
+    x = torch.randn(1 << 16, requires_grad=True)
+    before = open_descriptors()
+    for step in range(12):
+        folder = tmp_path / f"step{step}"
+        folder.mkdir()
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=folder):
+            loss = two_tanh(x)
+        loss.backward()
+    assert disk.idle_files() == disk.MAX_IDLE_TOTAL
+    assert open_descriptors() == before + disk.MAX_IDLE_TOTAL
+    assert offload.empty_cache() == disk.MAX_IDLE_TOTAL * 2 * (1 << 18)
+    assert open_descriptors() == before
+
+
+def test_apply_stats_are_zeros_before_the_first_step(tmp_path):
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path)
+    assert handle.stats == offload.Stats(tensors=0, bytes=0, kept_tensors=0, kept_bytes=0)
+    model(torch.randn(8, 16)).sum().backward()
+    assert handle.stats.tensors == 2  # the input of the Linear and the output of the Tanh
+    handle.remove()
+
+
+def test_a_cap_below_the_reserve_needs_only_the_cap_free(tmp_path, monkeypatch):
+    """The free-space check is based on what can be written: with max_host_bytes = 1 MiB a folder with 10 MiB
+    free is enough (it was refused for having less than 64 MiB); the reserve kept free is the cap."""
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 10 << 20})())
+    x = torch.randn(1 << 17, requires_grad=True)  # 512 KiB per saved tensor
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path, max_host_bytes=1 << 20) as stats:
+        loss = torch.tanh(torch.tanh(torch.tanh(x * 1))).sum()
+    loss.backward()
+    assert (stats.tensors, stats.kept_tensors) == (2, 1)  # two fit in the cap, the third stays in memory
+    with pytest.raises(FewBitError, match=r"has 10 MiB free, needs at least 16 MiB \(the smaller of 64 MiB"):
+        offload.saved_tensors(target="disk", directory=tmp_path, max_host_bytes=16 << 20)
+    with pytest.raises(FewBitError, match="has 10 MiB free, needs at least 64 MiB; free some space"):
+        offload.saved_tensors(target="disk", directory=tmp_path)
+    offload.empty_cache()  # (the idle file's bytes would count as the folder's own)
+    monkeypatch.setattr(disk.shutil, "disk_usage", lambda path: type("Usage", (), {"free": 5 << 20})())
+    with pytest.raises(FewBitError, match=r"needs 1.5 MiB .* had 5 MiB free at entry \(keeping 4 MiB free\)"):
+        with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path, max_host_bytes=4 << 20):
+            torch.tanh(torch.tanh(torch.tanh(x * 1))).sum()
+    assert_nothing_left(tmp_path)
+
+
+def test_torch_save_of_an_offloaded_model(tmp_path, one_torch_thread):
+    """Pickling keeps the offloading (options and model), not the hooks' state."""
+    import io
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 1))
+    x = torch.randn(16, 32)
+    offload.apply(model, [nn.Tanh], target="disk", min_bytes=0, directory=tmp_path)
+    model(x).sum().backward()  # a step first: a session and stats exist
+    buffer = io.BytesIO()
+    torch.save(model, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    assert isinstance(loaded[1].__dict__["forward"], offload._OffloadedForward)
+    assert loaded[1].__dict__["forward"].offloader.stats.tensors == 0  # a fresh start
+    model.zero_grad()
+    model(x).sum().backward()
+    loaded(x).sum().backward()
+    assert loaded[1].__dict__["forward"].offloader.stats.tensors == 1
+    for got, expected in zip(loaded.parameters(), model.parameters(), strict=True):
+        assert torch.equal(got.grad, expected.grad)
+    assert_nothing_left(tmp_path)
+
+
+@pytest.mark.parametrize("form", ["region", "apply"])
+def test_ctrl_c_right_after_the_hooks_are_pushed_leaves_no_hooks(form, tmp_path, monkeypatch):
+    """An interrupt can come right after torch pushed the hooks, before the block is set up to pop them: the
+    hooks of a dead step would then stay on the stack and catch every later saved tensor of the thread."""
+    push = torch.autograd.graph.saved_tensors_hooks.__enter__
+
+    def interrupted(self):
+        push(self)
+        raise KeyboardInterrupt
+
+    model = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    handle = offload.apply(model, target="disk", min_bytes=0, directory=tmp_path) if form == "apply" else None
+    monkeypatch.setattr(torch.autograd.graph.saved_tensors_hooks, "__enter__", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        if form == "apply":
+            model(torch.randn(8, 16))
+        else:
+            with offload.saved_tensors(target="disk", min_bytes=0, directory=tmp_path):
+                pass
+    monkeypatch.undo()
+    from fewbit_design.runtime.offload import session
+
+    assert torch._C._autograd._top_saved_tensors_default_hooks(True) is None  # nothing left on the stack
+    assert getattr(session._ACTIVE, "stats", []) == []  # and no stats left counting
+    if handle is not None:
+        handle.remove()
+    assert_nothing_left(tmp_path, freed_outside_backward=True)

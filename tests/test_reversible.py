@@ -454,3 +454,24 @@ def test_reconstruction_snr_measures_every_block_and_leaves_the_model_alone():
     assert all(p.grad is None for p in model.parameters())
     with pytest.raises(FewBitError, match="reconstruct=True"):
         R.reconstruction_snr(oracle_of(model), torch.randn(4, 3, 8, 12))
+
+
+@pytest.mark.parametrize("arch", sorted(BUILDERS))
+def test_double_backward_is_one_clear_error(arch):
+    model = small_net(arch, depth=2).double()
+    x = torch.randn(2, 3, 8, 12, dtype=torch.float64, requires_grad=True)
+    with pytest.raises(FewBitError, match="reversible sequences do not support higher-order gradients"):
+        (grad,) = torch.autograd.grad(model(x).square().sum(), x, create_graph=True)
+        grad.sum().backward()
+    oracle = oracle_of(model)  # what the message suggests: reconstruct=False supports it
+    (grad,) = torch.autograd.grad(oracle(x).square().sum(), x, create_graph=True)
+    grad.sum().backward()
+    assert x.grad is not None
+
+
+def test_double_backward_never_drops_the_sequences_part_silently():
+    model = small_net("revnet", depth=2).double()
+    x = torch.randn(2, 3, 8, 12, dtype=torch.float64, requires_grad=True)
+    weights = torch.randn(model(x).shape, dtype=torch.float64)
+    with pytest.raises(FewBitError, match="higher-order gradients"):
+        torch.autograd.grad((model(x) * weights).sum() + x.pow(3).sum(), x, create_graph=True)

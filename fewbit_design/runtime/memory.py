@@ -17,10 +17,11 @@ are not memory that backward costs. It is how memory claims are measured on a ma
 :func:`peak` is the other instrument: the peak of live tensor bytes over a region (forward and backward). On CPU
 there is no allocator counter, so it watches every operator through a ``TorchDispatchMode``: an output whose
 storage is new (not a storage of the operator's inputs, so views and in-place results do not count) is counted
-once, with ``untyped_storage().nbytes()``, and uncounted when its storage is freed (``weakref.finalize`` on the
-storage). ``peak_bytes`` is the largest total of such storages alive at once, measured after each operator: the
-bytes allocated inside the region above what was alive at entry. Memory an operator uses only while it runs
-(scratch space of a kernel) is not seen.
+once, with ``untyped_storage().nbytes()``, and uncounted when its storage is freed (a weak reference on the
+storage, whose callback only queues it: no Python code runs while a storage is freed, so a Ctrl-C there is never
+lost; the queue is read at the next operator and whenever ``live_bytes`` is read). ``peak_bytes`` is the largest
+total of such storages alive at once, measured after each operator: the bytes allocated inside the region above
+what was alive at entry. Memory an operator uses only while it runs (scratch space of a kernel) is not seen.
 
 >>> with memory.peak() as p:
 ...     y = (x * 2).sum()
@@ -31,10 +32,11 @@ bytes allocated inside the region above what was alive at entry. Memory an opera
 from __future__ import annotations
 
 import weakref
-from collections import defaultdict
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -53,6 +55,40 @@ def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
 
 def _storage_nbytes(tensor: torch.Tensor) -> int:
     return int(tensor.untyped_storage().nbytes())
+
+
+_Result = TypeVar("_Result")
+
+
+class _OneRegion(AbstractContextManager, Generic[_Result]):
+    """The object :func:`saved_bytes` and :func:`peak` return: it measures one ``with`` block. Entering it a second
+    time (again after the block, or nested in its own block) raises :class:`FewBitError` instead of measuring
+    something else; call the function again for a new block."""
+
+    def __init__(self, name: str, region: AbstractContextManager[_Result]) -> None:
+        self._name = name
+        self._region: AbstractContextManager[_Result] | None = region
+        self._entered: AbstractContextManager[_Result] | None = None
+
+    def __enter__(self) -> _Result:
+        region, self._region = self._region, None
+        if region is None:
+            raise FewBitError(
+                f"a memory.{self._name}() object measures one with-block and was already entered; "
+                f"call memory.{self._name}() again for another block"
+            )
+        self._entered = region
+        return region.__enter__()
+
+    def __exit__(self, *exc_info: Any) -> bool | None:
+        assert self._entered is not None, "exit without enter"
+        return self._entered.__exit__(*exc_info)
+
+
+def _hooks_below() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | None:
+    """The saved-tensor hooks active now (those a new pair of hooks hides), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
 
 
 @dataclass
@@ -84,14 +120,25 @@ class SavedBytes:
         return storage_key(tensor) in self._seen
 
 
-@contextmanager
-def saved_bytes(model: torch.nn.Module | None = None) -> Iterator[SavedBytes]:
+def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[SavedBytes]:
     """Count the bytes saved for backward by everything run inside the block.
 
     Args:
         model: optional module; its parameters and buffers are excluded, and bytes are attributed to its
             submodules in ``by_module``.
+
+    The count is transparent: each saved tensor, once counted, goes on to the saved-tensor hooks that were active
+    when the block was entered (an enclosing ``saved_bytes`` block, which counts it too, an offload region, a
+    checkpoint), exactly as if this block were not there. So nested blocks each count everything saved inside them,
+    and measuring inside an offloaded region does not stop the offloading. A block entered inside it that installs
+    its own hooks (an offload region, a checkpointed segment) takes the tensors it packs out of sight: they are
+    counted as what those hooks keep (nothing for an offload region, the inputs for a checkpoint).
     """
+    return _OneRegion("saved_bytes", _saved_bytes(model))
+
+
+@contextmanager
+def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
     result = SavedBytes()
     excluded: set[tuple[str, int]] = set()
     stack: list[str] = []
@@ -112,29 +159,45 @@ def saved_bytes(model: torch.nn.Module | None = None) -> Iterator[SavedBytes]:
             handles.append(module.register_forward_pre_hook(pre_hook))
             handles.append(module.register_forward_hook(post_hook, always_call=True))
 
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
+    def count(tensor: torch.Tensor) -> None:
         if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
-            return tensor
+            return
         try:
             key = storage_key(tensor)
         except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional wrappers)
-            return tensor
+            return
         if key in excluded:
-            return tensor
+            return
         if model is not None:
             result._savers.setdefault(key, set()).add(stack[-1] if stack else "")
         if key in result._seen:
-            return tensor
+            return
         nbytes = _storage_nbytes(tensor)
         result._seen[key] = nbytes
         result.total += nbytes
         result.tensors += 1
         if model is not None:
             by_module[stack[-1] if stack else ""] += nbytes
-        return tensor
+
+    below = _hooks_below()
+    if below is None:
+
+        def pack(tensor: torch.Tensor) -> Any:
+            count(tensor)
+            return tensor
+
+        def unpack(packed: Any) -> torch.Tensor:
+            return packed
+
+    else:
+        pack_below, unpack = below
+
+        def pack(tensor: torch.Tensor) -> Any:
+            count(tensor)
+            return pack_below(tensor)
 
     try:
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield result
     finally:
         for handle in handles:
@@ -168,10 +231,18 @@ class Peak:
 
     peak_bytes: int = 0
     baseline_bytes: int = 0
-    live_bytes: int = 0
     allocated_bytes: int = 0
     timeline: list[tuple[str, int]] | None = None
     cuda_peak_bytes: int | None = None
+    _live_bytes: int = field(default=0, repr=False)
+    _collect: Callable[[], None] | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def live_bytes(self) -> int:
+        """Bytes allocated inside the region that are alive now (at exit: those that outlived it)."""
+        if self._collect is not None:
+            self._collect()
+        return self._live_bytes
 
     @property
     def max_bytes(self) -> int:
@@ -186,21 +257,40 @@ class Peak:
         return f"peak {self.peak_bytes} bytes above a baseline of {self.baseline_bytes} bytes"
 
 
+class _StorageRef(weakref.ref):
+    """A weak reference to a counted storage, with what to uncount when it is freed."""
+
+    __slots__ = ("key", "nbytes")
+
+
 class _PeakMode(TorchDispatchMode):
     """Counts the new storages that operators return, and forgets them when they are freed."""
 
     def __init__(self, result: Peak) -> None:
         super().__init__()
         self.result = result
-        self.finalizers: dict[int, weakref.finalize] = {}
+        self.alive: dict[int, _StorageRef] = {}  # id(storage) -> its reference
+        self.freed: deque[_StorageRef] = deque()  # appended to by the references' callback (C code)
+        result._collect = self.collect
 
-    def _freed(self, key: int, nbytes: int) -> None:
-        if self.finalizers.pop(key, None) is not None:
-            self.result.live_bytes -= nbytes
+    def collect(self) -> None:
+        """Uncount the storages freed since the last call (before any new storage can reuse their id)."""
+        while self.freed:
+            ref = self.freed.popleft()
+            if self.alive.get(ref.key) is ref:
+                del self.alive[ref.key]
+                self.result._live_bytes -= ref.nbytes
+
+    def close(self) -> None:
+        self.collect()
+        self.result._collect = None
+        self.alive.clear()  # (the references die with it: their callbacks never run)
+        self.freed.clear()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
+        self.collect()
         inputs = None
         result = self.result
         for tensor in tree_leaves(out):
@@ -211,20 +301,22 @@ class _PeakMode(TorchDispatchMode):
             except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, functional)
                 continue
             key = id(storage)
-            if key in self.finalizers:
+            if key in self.alive:
                 continue
             if inputs is None:
                 inputs = {id(_storage_or_none(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
             if key in inputs:  # a view or an in-place result of an input: no new memory
                 continue
             nbytes = int(storage.nbytes())
-            self.finalizers[key] = weakref.finalize(storage, self._freed, key, nbytes)
-            result.live_bytes += nbytes
+            ref = _StorageRef(storage, self.freed.append)
+            ref.key, ref.nbytes = key, nbytes
+            self.alive[key] = ref
+            result._live_bytes += nbytes
             result.allocated_bytes += nbytes
-        if result.live_bytes > result.peak_bytes:
-            result.peak_bytes = result.live_bytes
+        if result._live_bytes > result.peak_bytes:
+            result.peak_bytes = result._live_bytes
         if result.timeline is not None:
-            result.timeline.append((str(func), result.live_bytes))
+            result.timeline.append((str(func), result._live_bytes))
         return out
 
 
@@ -249,8 +341,7 @@ def _baseline(objects: tuple[torch.Tensor | torch.nn.Module, ...]) -> int:
     return sum(sizes.values())
 
 
-@contextmanager
-def peak(*alive: torch.Tensor | torch.nn.Module, timeline: bool = False) -> Iterator[Peak]:
+def peak(*alive: torch.Tensor | torch.nn.Module, timeline: bool = False) -> AbstractContextManager[Peak]:
     """Measure the peak of live tensor bytes allocated inside the block, forward and backward.
 
     Args:
@@ -266,7 +357,14 @@ def peak(*alive: torch.Tensor | torch.nn.Module, timeline: bool = False) -> Iter
     ...     layer(x).sum().backward()
     >>> p.baseline_bytes, p.peak_bytes  # weight + x; in backward: loss, its ones gradient and the weight's gradient
     (16800, 4008)
+
+    Blocks nest (each sees every operator run inside it); one object measures one block.
     """
+    return _OneRegion("peak", _peak(alive, timeline))
+
+
+@contextmanager
+def _peak(alive: tuple[torch.Tensor | torch.nn.Module, ...], timeline: bool) -> Iterator[Peak]:
     result = Peak(baseline_bytes=_baseline(alive), timeline=[] if timeline else None)
     use_cuda = torch.cuda.is_available()
     if use_cuda:
@@ -278,9 +376,7 @@ def peak(*alive: torch.Tensor | torch.nn.Module, timeline: bool = False) -> Iter
         with mode:
             yield result
     finally:
-        for finalizer in mode.finalizers.values():
-            finalizer.detach()
-        mode.finalizers.clear()
+        mode.close()
         if use_cuda:
             torch.cuda.synchronize()
             result.cuda_peak_bytes = int(torch.cuda.max_memory_allocated() - cuda_entry)

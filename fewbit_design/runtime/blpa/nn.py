@@ -218,6 +218,13 @@ def _all_finite(a3: torch.Tensor, *per_channel: torch.Tensor) -> bool:
     return bool(torch.stack(values).all())
 
 
+SECOND_ORDER_MESSAGE = (
+    "BLPA units do not support higher-order gradients (backward with create_graph=True): their backward is written "
+    "by hand from what the forward kept (K-bit codes of the pre-activation); use the unfused "
+    "BatchNorm -> ReLU -> Conv2d/Linear modules for double backward"
+)
+
+
 def _exact(spec: _Spec) -> _Spec:
     return dataclasses.replace(spec, bits=None, naive=False)
 
@@ -248,8 +255,9 @@ class _BNReLUFunction(torch.autograd.Function):
         return out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
+        if torch.is_grad_enabled():  # create_graph=True: refuse now rather than differentiate a kernel (or half)
+            raise FewBitError(SECOND_ORDER_MESSAGE)
         needs = ctx.needs_input_grad
         grads = unit_backward(
             grad_out.contiguous(),
@@ -341,6 +349,8 @@ class _FusedUnit(nn.Module):
         use_batch_stats = self.training or (bn.running_mean is None and bn.running_var is None)
         if not use_batch_stats:
             return self._eval_forward(x)
+        if x.numel() == 0:  # an empty batch: what the unfused modules give (an empty output; torch's running stats)
+            return _op_forward(F.relu(bn(x)), self.op.weight, self.op.bias, self._spec())
         count = x.numel() // x.shape[1]
         if count <= 1:
             raise FewBitError(

@@ -34,7 +34,7 @@ import torch
 
 from ...errors import FewBitError, check_choice, close_matches
 from .cost import Cost, cost
-from .session import Session, Stats
+from .session import Session, Stats, close_freed, pop_stats, push_stats
 
 __all__ = ["saved_tensors", "apply", "cost", "Cost", "Stats", "OffloadHandle", "empty_cache", "TARGETS"]
 
@@ -81,33 +81,88 @@ class _Options:
             return CudaHostTarget(pinned_pool(self.max_host_bytes), device)
         return None
 
-    def session(self, exclude: frozenset[int] = frozenset()) -> Session:
-        probe: tuple[torch.device, ...] = ()
+    def _probe_devices(self) -> tuple[torch.device, ...]:
         if self.target == "disk" or (self.target == "auto" and not torch.cuda.is_available()):
-            probe = (torch.device("cpu"),)
-        elif self.target == "cuda-host":
-            probe = (torch.device("cuda", torch.cuda.current_device()),)
-        return Session(self.make_target, min_bytes=self.min_bytes, depth=self.prefetch, probe=probe, exclude=exclude)
+            return (torch.device("cpu"),)
+        if self.target == "cuda-host":
+            return (torch.device("cuda", torch.cuda.current_device()),)
+        return ()
+
+    def probe(self) -> None:
+        """Make the targets a step will use and close them again: a bad folder fails here, and the file goes to
+        the pool of idle files, where the first step takes it."""
+        close_freed()  # a safe point (see .session)
+        for device in self._probe_devices():
+            target = self.make_target(device)
+            if target is not None:
+                target.close()
+
+    def session(self, exclude: frozenset[int] = frozenset()) -> Session:
+        return Session(
+            self.make_target,
+            min_bytes=self.min_bytes,
+            depth=self.prefetch,
+            probe=self._probe_devices(),
+            exclude=exclude,
+        )
+
+
+def _top_hooks() -> tuple[Any, Any] | None:
+    """The saved-tensor hooks on top of this thread's stack (pack, unpack), or None."""
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    return top(True) if top is not None else None
 
 
 class _Region:
-    """The ``with`` block of :func:`saved_tensors` (or one module call under :func:`apply`)."""
+    """The ``with`` block of :func:`saved_tensors` (or one module call under :func:`apply`).
 
-    def __init__(self, session: Session) -> None:
-        self._session: Session | None = session
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+    Regions nest: the innermost one offloads what is saved inside it, and the stats of every region around it
+    count those tensors too (so an outer block reports everything offloaded inside it)."""
+
+    def __init__(self, session: Session | None = None, options: _Options | None = None) -> None:
+        self._session = session  # (None: made at entry from ``options``, so a block never entered holds nothing)
+        self._options = options
+        self._entered = False
+        self._hooks: Any = None
 
     def __enter__(self) -> Stats:
-        assert self._session is not None, "an offload region is entered once"
-        self._hooks.__enter__()
-        return self._session.stats
+        if self._entered:
+            raise FewBitError(
+                "an offload.saved_tensors() block is entered once (it is one step's session); "
+                "call offload.saved_tensors() again for another block"
+            )
+        self._entered = True
+        if self._session is None:
+            assert self._options is not None, "a region has a session or the options to make one"
+            self._session = self._options.session()
+        session = self._session
+        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+        push_stats(session.stats)
+        try:
+            hooks.__enter__()
+        except BaseException:  # (a Ctrl-C right after the push): leave no hooks behind that nobody pops
+            if _top_hooks() == (hooks.pack_hook, hooks.unpack_hook):
+                hooks.__exit__(None, None, None)
+            pop_stats(session.stats)
+            self._session = None
+            raise
+        self._hooks = hooks
+        return session.stats
 
     def __exit__(self, exc_type: Any, exc: Any, traceback: Any) -> None:
-        self._hooks.__exit__(exc_type, exc, traceback)
         session, self._session = self._session, None
-        if exc_type is not None and session is not None:
+        if session is None:
+            return
+        pop_stats(session.stats)
+        if self._hooks is not None:
+            self._hooks.__exit__(exc_type, exc, traceback)
+            self._hooks = None
+        if exc_type is not None:
             session.close(f"the offload region exited with {exc_type.__name__}: its saved tensors were discarded")
-        del self._hooks
+        elif not session.packed:  # nothing was saved inside: no backward will ever use the session
+            session.close("the offload region saved nothing")
+        del session
+        close_freed()  # a safe point: the session is freed now if its backward already ran inside the block
 
 
 def saved_tensors(
@@ -130,31 +185,43 @@ def saved_tensors(
         directory: folder of the disk target's file (default: the system temporary folder). It is probed at entry:
             an unwritable or full folder raises :class:`FewBitError` before anything runs.
 
-    The step's file or pinned buffers are released when autograd frees the graph (after backward, or when the
-    output is dropped without backward), or at once when the block raises (its graph can then not run backward).
-    Released files and pinned buffers are kept for the next step (unlinked files, at most two per folder);
-    :func:`empty_cache` gives them back.
+    The step's file or pinned buffers are released once autograd frees the graph: at the end of the backward pass
+    that frees it, or, for a graph dropped without backward (or after an error in backward), when the next step
+    starts or :func:`empty_cache` runs; at once when the block raises (its graph can then not run backward). No
+    Python code runs while autograd frees the graph, so a Ctrl-C is never lost there. Released files and pinned
+    buffers are kept for the next step (unlinked files: at most two per folder and four in all, none for a folder
+    that was removed); :func:`empty_cache` gives them back.
+
+    Blocks nest: the innermost block offloads what is saved inside it; the stats of the blocks around it count it
+    too. A block (the object) is entered once.
     """
-    return _Region(_Options(target, min_bytes, prefetch, max_host_bytes, directory).session())
+    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory)
+    options.probe()
+    return _Region(options=options)
 
 
 class _ModuleOffloader:
     """One :func:`apply`: regions entered around the selected modules' forward, one session per step (a forward
     after the previous step's backward started begins a new one)."""
 
-    def __init__(self, options: _Options, model: torch.nn.Module) -> None:
+    def __init__(self, options: _Options, model: torch.nn.Module | None) -> None:
         self.options = options
-        self._model = weakref.ref(model)
+        self._model = weakref.ref(model) if model is not None else _no_model
         self._session: weakref.ref[Session] | None = None
         self._regions: list[_Region | None] = []
-        self.stats: Stats | None = None
+        self.stats = Stats()  # zeros until the first step
+
+    def __reduce__(self) -> tuple:
+        """Pickling (``torch.save`` of the model) keeps the options and the model, not the hooks' state: the
+        loaded model is offloaded the same way, from a fresh step."""
+        return (_ModuleOffloader, (self.options, self._model()))
 
     def __deepcopy__(self, memo: dict) -> _ModuleOffloader:
         copy = _ModuleOffloader.__new__(_ModuleOffloader)
         model = self._model()
         copied = memo.get(id(model), model) if model is not None else None  # the copy of the model, if made
         copy._model = weakref.ref(copied) if copied is not None else self._model
-        copy.options, copy._session, copy._regions, copy.stats = self.options, None, [], None
+        copy.options, copy._session, copy._regions, copy.stats = self.options, None, [], Stats()
         return copy
 
     def enter(self) -> None:
@@ -170,8 +237,8 @@ class _ModuleOffloader:
             self._session = weakref.ref(session)
             self.stats = session.stats
         region = _Region(session)
+        self._regions.append(region)  # (first: the caller's exit pops it even if entering is interrupted)
         region.__enter__()
-        self._regions.append(region)
 
     def exit(self, exc_type: Any, exc: Any, traceback: Any) -> None:
         region = self._regions.pop()
@@ -179,22 +246,42 @@ class _ModuleOffloader:
             region.__exit__(exc_type, exc, traceback)
 
 
+def _no_model() -> None:
+    return None
+
+
 class _OffloadedForward:
-    """The forward of a module under :func:`apply` (a plain object, so ``copy.deepcopy`` of the model works)."""
+    """The forward of a module under :func:`apply` (a plain object, so ``copy.deepcopy`` and pickling of the model
+    work)."""
 
     def __init__(self, forward: Any, offloader: _ModuleOffloader) -> None:
         self.forward = forward
         self.offloader = offloader
 
+    def __reduce__(self) -> tuple:
+        owner = getattr(self.forward, "__self__", None)
+        function = getattr(self.forward, "__func__", None)
+        if isinstance(owner, torch.nn.Module) and function is getattr(type(owner), "forward", None):
+            # the class's own forward: rebuilt from the class, never looked up on the instance (whose ``forward``
+            # is this object)
+            return (_class_forward, (owner, self.offloader))
+        return (_OffloadedForward, (self.forward, self.offloader))
+
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        self.offloader.enter()
+        depth = len(self.offloader._regions)
         try:
+            self.offloader.enter()
             result = self.forward(*args, **kwargs)
         except BaseException as error:
-            self.offloader.exit(type(error), error, error.__traceback__)
+            if len(self.offloader._regions) > depth:  # (entered, or interrupted while entering)
+                self.offloader.exit(type(error), error, error.__traceback__)
             raise
         self.offloader.exit(None, None, None)
         return result
+
+
+def _class_forward(module: torch.nn.Module, offloader: _ModuleOffloader) -> _OffloadedForward:
+    return _OffloadedForward(type(module).forward.__get__(module), offloader)
 
 
 class OffloadHandle:
@@ -205,7 +292,8 @@ class OffloadHandle:
         self._modules = modules
 
     @property
-    def stats(self) -> Stats | None:
+    def stats(self) -> Stats:
+        """What the latest step offloaded (zeros before the first step)."""
         return self._offloader.stats
 
     def remove(self) -> None:
@@ -276,7 +364,7 @@ def apply(
     """
     options = _Options(target, min_bytes, prefetch, max_host_bytes, directory)
     if options.target == "disk" or (options.target == "auto" and not torch.cuda.is_available()):
-        _Region(options.session())  # probe the folder now: a bad one fails before training starts
+        options.probe()  # a bad folder fails now, before training starts
     offloader = _ModuleOffloader(options, model)
     chosen = _select(model, modules)
     for module in chosen:
@@ -292,6 +380,7 @@ def empty_cache() -> int:
     to the file system) and the idle pinned buffers of the CUDA target. Returns the bytes released."""
     from .disk import empty_cache as _empty_files
 
+    close_freed()  # steps whose graph was freed outside a backward pass give their files back first
     released = _empty_files()
     if torch.cuda.is_available():
         from .cuda import empty_cache as _empty_pinned

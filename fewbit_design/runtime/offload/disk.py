@@ -1,23 +1,34 @@
 """The disk target: saved CPU tensors go to one file per step, written and read back on a background thread.
 
-At entry the target creates its file in ``directory`` (or the system temporary folder), writes and fsyncs a page
-there (a full disk or an unwritable folder fails here, before training starts, with one :class:`FewBitError`),
-and unlinks the file at once: the data stays reachable through the open descriptor and the space returns to the
-file system when it is closed, so no file is left behind whatever happens, even if the process is killed. Tensors
-are written with ``os.pwrite`` at page-aligned offsets and read back with ``os.preadv`` into buffers allocated by
-the calling thread (so allocations stay visible to memory instruments that watch that thread). The free space seen
-at entry bounds the file: a step that would pass it gets a :class:`FewBitError` in forward, never a torn file.
+At entry the target creates its file in ``directory`` (or the system temporary folder) without a name where the
+system allows it (Linux ``O_TMPFILE``; elsewhere it is unlinked right after creation, and removed on any error or
+interrupt before that), and writes and fsyncs a page there (a full disk or an unwritable folder fails here, before
+training starts, with one :class:`FewBitError`): the data stays reachable through the open descriptor and the
+space returns to the file system when it is closed, so no file is left behind whatever happens, even if the
+process is killed or interrupted. Tensors are written with ``os.pwrite`` at page-aligned offsets and read back with
+``os.preadv`` into buffers allocated by the calling thread (so allocations stay visible to memory instruments that
+watch that thread).
 
-Files are reused: when a step's file is closed it goes back to a small pool per folder (at most
-``MAX_IDLE_FILES``, still unlinked), and the next step overwrites it. Writing into pages the page cache already
-holds is about ten times cheaper in CPU than writing fresh ones (measured on the 2-core development machine:
-2.0 against 0.23 GB/s), and on CPU that work competes with the compute. :func:`empty_cache` closes the idle files
-(the space returns to the file system); a file that saw an I/O error is never reused.
+Free space: the file may grow to the free space seen at entry minus a **reserve** that is never used, so the file
+system is never filled to the last byte: ``MIN_FREE_BYTES`` (64 MiB), or ``max_host_bytes`` rounded up to pages when
+that is smaller (a capped step never writes more than its cap, so it keeps free at least what it may write). A
+folder with less free space than the reserve fails at entry; a step that would eat into it gets a
+:class:`FewBitError` in forward, never a torn file.
+
+Files are reused: when a step's file is closed it goes back to a small pool of idle files (still unlinked), and
+the next step in that folder overwrites it. Writing into pages the page cache already holds is about ten times
+cheaper in CPU than writing fresh ones (measured on the 2-core development machine: 2.0 against 0.23 GB/s), and on
+CPU that work competes with the compute. The pool is bounded: at most ``MAX_IDLE_FILES`` per folder and
+``MAX_IDLE_TOTAL`` in all (the least recently used goes first), and a file whose folder was removed (or replaced)
+is closed at the next use of the pool instead of being kept. :func:`empty_cache` closes the idle files (the space
+returns to the file system); a file that saw an I/O error is never reused.
 """
 
 from __future__ import annotations
 
+import errno
 import os
+import secrets
 import shutil
 import tempfile
 import threading
@@ -27,45 +38,94 @@ import torch
 from ...errors import FewBitError
 from .worker import Job, Worker
 
-__all__ = ["DiskTarget", "MIN_FREE_BYTES", "MAX_IDLE_FILES", "empty_cache", "idle_files"]
+__all__ = ["DiskTarget", "MIN_FREE_BYTES", "MAX_IDLE_FILES", "MAX_IDLE_TOTAL", "empty_cache", "idle_files"]
 
 MIN_FREE_BYTES = 64 << 20  # never fill the file system to the last byte
 _PAGE = 4096
 _CHUNK = 1 << 30  # largest single read/write call (Linux caps one call near 2 GiB)
 MAX_IDLE_FILES = 2  # per folder
-_IDLE: dict[str, list[tuple[int, int]]] = {}  # real folder path -> [(descriptor, bytes in the file)]
+MAX_IDLE_TOTAL = 4  # all folders together
+_Folder = tuple[str, int, int]  # (real path, device, inode): a folder removed and made again is another folder
+_IDLE: list[tuple[_Folder, int, int]] = []  # (folder, descriptor, bytes in the file), least recently given back first
 _IDLE_LOCK = threading.Lock()
 
 
-def _take_idle(folder: str) -> tuple[int, int] | None:
-    with _IDLE_LOCK:
-        files = _IDLE.get(folder)
-        return files.pop() if files else None
+def _identify(path: str) -> _Folder | None:
+    """The folder at ``path`` now, or None when there is no folder there."""
+    real = os.path.realpath(path)
+    try:
+        status = os.stat(real)
+    except OSError:
+        return None
+    return (real, status.st_dev, status.st_ino)
 
 
-def _give_back(folder: str, fd: int, size: int) -> bool:
+def _prune() -> list[int]:
+    """Take out the idle files whose folder is gone or was replaced (under the lock); return their descriptors."""
+    present: dict[_Folder, bool] = {}
+    stale = []
+    for entry in _IDLE:
+        folder = entry[0]
+        if folder not in present:
+            present[folder] = _identify(folder[0]) == folder
+        if not present[folder]:
+            stale.append(entry)
+    for entry in stale:
+        _IDLE.remove(entry)
+    return [fd for _folder, fd, _size in stale]
+
+
+def _close_all(descriptors: list[int]) -> None:
+    for fd in descriptors:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _take_idle(folder: _Folder) -> tuple[int, int] | None:
     with _IDLE_LOCK:
-        files = _IDLE.setdefault(folder, [])
-        if len(files) >= MAX_IDLE_FILES:
-            return False
-        files.append((fd, size))
-        return True
+        stale = _prune()
+        found = None
+        for index in range(len(_IDLE) - 1, -1, -1):
+            if _IDLE[index][0] == folder:
+                _folder, fd, size = _IDLE.pop(index)
+                found = (fd, size)
+                break
+    _close_all(stale)
+    return found
+
+
+def _give_back(folder: _Folder, fd: int, size: int) -> bool:
+    """Keep ``fd`` for reuse (True), or refuse it (False: the caller closes it): folder gone, or per folder pool
+    full. Past ``MAX_IDLE_TOTAL`` the least recently given back file is closed."""
+    with _IDLE_LOCK:
+        stale = _prune()
+        kept = _identify(folder[0]) == folder and sum(entry[0] == folder for entry in _IDLE) < MAX_IDLE_FILES
+        if kept:
+            _IDLE.append((folder, fd, size))
+            while len(_IDLE) > MAX_IDLE_TOTAL:
+                stale.append(_IDLE.pop(0)[1])
+    _close_all(stale)
+    return kept
 
 
 def idle_files() -> int:
-    """How many closed step files are kept open for reuse (all folders)."""
+    """How many closed step files are kept open for reuse (all folders; those of removed folders are closed)."""
     with _IDLE_LOCK:
-        return sum(len(files) for files in _IDLE.values())
+        stale = _prune()
+        count = len(_IDLE)
+    _close_all(stale)
+    return count
 
 
 def empty_cache() -> int:
     """Close the idle step files kept for reuse; return the bytes they held on disk."""
     with _IDLE_LOCK:
-        files = [entry for entries in _IDLE.values() for entry in entries]
+        files = list(_IDLE)
         _IDLE.clear()
-    for fd, _size in files:
-        os.close(fd)
-    return sum(size for _fd, size in files)
+    _close_all([fd for _folder, fd, _size in files])
+    return sum(size for _folder, _fd, size in files)
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
@@ -98,59 +158,60 @@ class DiskTarget:
         self.directory = folder
         if not os.path.isdir(folder):
             raise FewBitError(f"offload directory must be an existing folder, got {folder!r}")
-        self._folder_key = os.path.realpath(folder)
+        self._folder = _identify(folder)
         self._failed = False
         self._path: str | None = None
-        idle = _take_idle(self._folder_key)
+        self._fd: int | None = None
+        # the reserve (see the module docstring): what a capped step may write, when that is below MIN_FREE_BYTES
+        self.reserve = MIN_FREE_BYTES if capacity is None else min(MIN_FREE_BYTES, -(-capacity // _PAGE) * _PAGE)
+        idle = _take_idle(self._folder) if self._folder is not None else None
         if idle is not None:
-            fd, self.reused = idle
+            self._fd, self.reused = idle
         else:
-            fd, self._path = self._create(folder)
+            self._fd, self._path = self._create(folder)
             self.reused = 0
-        self._fd: int | None = fd
         try:
             self.free_bytes: int | None = shutil.disk_usage(folder).free
         except OSError:
             self.free_bytes = None
-        if self.free_bytes is not None and self.free_bytes < MIN_FREE_BYTES:
+        if self.free_bytes is not None and self.free_bytes < self.reserve:
             self.close()
+            cap = "" if capacity is None else f" (the smaller of {MIN_FREE_BYTES >> 20} MiB and max_host_bytes)"
             raise FewBitError(
-                f"offload directory {folder!r} has {self.free_bytes >> 20} MiB free, needs at least "
-                f"{MIN_FREE_BYTES >> 20} MiB; free some space or pass directory="
+                f"offload directory {folder!r} has {_mib(self.free_bytes)} free, needs at least "
+                f"{_mib(self.reserve)}{cap}; free some space, lower max_host_bytes or pass directory="
             )
         self.end = 0
         self._worker = Worker("disk")
 
     @staticmethod
     def _create(folder: str) -> tuple[int, str | None]:
-        """A new file in ``folder``, probed (a page written and fsynced) and unlinked at once."""
-        try:
-            fd, path = tempfile.mkstemp(prefix="fewbit-offload-", suffix=".bin", dir=folder)
-        except OSError as error:
-            raise FewBitError(f"offload directory {folder!r} is not writable: {error.strerror or error}") from None
+        """A new file in ``folder`` without a name (or unlinked at once), probed: a page written and fsynced.
+        Returns the descriptor and, on a platform that cannot unlink open files, the path to remove at close."""
+        fd, path = _open_unnamed(folder)
         try:
             os.write(fd, b"\0" * _PAGE)
             os.fsync(fd)
             os.ftruncate(fd, 0)
-        except OSError as error:
+        except BaseException as error:
             os.close(fd)
-            os.unlink(path)
+            if path is not None:
+                _unlink_quietly(path)
+            if not isinstance(error, OSError):
+                raise
             raise FewBitError(
                 f"offload directory {folder!r} cannot take a {_PAGE}-byte probe file: {error.strerror or error}"
             ) from None
-        try:
-            os.unlink(path)  # the descriptor keeps the data; nothing is left behind, whatever happens
-            return fd, None
-        except OSError:  # (a platform that cannot unlink open files: removed at close)
-            return fd, path
+        return fd, path
 
     def _allocate(self, nbytes: int) -> int:
         offset = self.end
         end = offset + -(-nbytes // _PAGE) * _PAGE
-        if self.free_bytes is not None and end > self.reused + self.free_bytes - MIN_FREE_BYTES:
+        if self.free_bytes is not None and end > self.reused + self.free_bytes - self.reserve:
             raise FewBitError(
-                f"offloading needs {end >> 20} MiB in {self.directory!r}, which had {self.free_bytes >> 20} MiB free "
-                f"at entry (keeping {MIN_FREE_BYTES >> 20} MiB); free some space or pass directory="
+                f"offloading needs {_mib(end)} in {self.directory!r}, which had {_mib(self.free_bytes)} free "
+                f"at entry (keeping {_mib(self.reserve)} free); free some space, lower max_host_bytes or pass "
+                "directory="
             )
         self.end = end
         return offset
@@ -218,11 +279,55 @@ class DiskTarget:
         if self._fd is not None:
             fd, self._fd = self._fd, None
             size = max(self.reused, getattr(self, "end", 0))
-            if self._failed or self._path is not None or not _give_back(self._folder_key, fd, size):
-                os.close(fd)
+            if self._failed or self._path is not None or self._folder is None or not _give_back(self._folder, fd, size):
+                _close_all([fd])  # (an error closing is not the caller's: close runs at safe points in its code)
         if self._path is not None:
-            try:
-                os.unlink(self._path)
-            except OSError:
-                pass
+            _unlink_quietly(self._path)
             self._path = None
+
+
+def _mib(nbytes: int) -> str:
+    if nbytes < 1 << 20:
+        return f"{nbytes} bytes"
+    return f"{nbytes >> 20} MiB" if nbytes % (1 << 20) == 0 else f"{nbytes / (1 << 20):.1f} MiB"
+
+
+def _unlink_quietly(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:
+        pass
+
+
+def _open_unnamed(folder: str) -> tuple[int, str | None]:
+    """A new empty file in ``folder`` that no name points to (descriptor, None), or, on a platform that cannot
+    unlink open files, (descriptor, path to remove at close). An interrupt never leaves a named file behind."""
+    flags = os.O_RDWR | getattr(os, "O_BINARY", 0) | getattr(os, "O_CLOEXEC", 0)
+    if hasattr(os, "O_TMPFILE"):
+        try:
+            return os.open(folder, flags | os.O_TMPFILE, 0o600), None
+        except OSError as error:
+            if error.errno not in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL, errno.ENOENT):
+                raise FewBitError(f"offload directory {folder!r} is not writable: {error.strerror or error}") from None
+            # (a file system without unnamed files: a named one, unlinked at once)
+    for _ in range(100):
+        path = os.path.join(folder, f"fewbit-offload-{secrets.token_hex(8)}.bin")
+        try:
+            fd = os.open(path, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        except FileExistsError:
+            continue
+        except OSError as error:
+            raise FewBitError(f"offload directory {folder!r} is not writable: {error.strerror or error}") from None
+        except BaseException:  # interrupted: the file may exist; it must not stay
+            _unlink_quietly(path)
+            raise
+        try:
+            os.unlink(path)  # the descriptor keeps the data; nothing is left behind, whatever happens
+        except OSError:  # (a platform that cannot unlink open files: removed at close)
+            return fd, path
+        except BaseException:
+            os.close(fd)
+            _unlink_quietly(path)
+            raise
+        return fd, None
+    raise FewBitError(f"offload directory {folder!r}: could not find a free name for the offload file")

@@ -1,9 +1,19 @@
 """One offload step: the pack and unpack hooks, the records, and the scheduling carried out on a target.
 
 A :class:`Session` lives as long as autograd's graph holds its hooks (each saved tensor keeps them), plus the
-``with`` block that created it. When it is freed, its targets are closed (file removed, queued transfers
-cancelled, pinned buffers returned); an exception inside the block closes them at once. Records never reference
-the session, and transfer jobs reference neither, so nothing keeps a dead step alive.
+``with`` block that created it. Its targets are closed (file given back or closed, queued transfers cancelled,
+pinned buffers returned) at the first **safe point** after it is freed: the end of the backward pass that freed it,
+the start of the next session, or :func:`close_freed` (``offload.empty_cache`` calls it); an exception inside the
+block closes them at once. Records never reference the session, and transfer jobs reference neither, so nothing
+keeps a dead step alive.
+
+No Python code runs when a session or a record is freed: the weak references that notice it have a C callback
+(``deque.append``), and the work is done at the safe points, in ordinary code. A ``KeyboardInterrupt`` that arrives
+while Python runs a ``__del__`` or a finalizer is printed as "Exception ignored" and lost (the training loop goes
+on), and autograd frees saved tensors all the time; this way Ctrl-C always reaches the loop.
+
+Regions nest: the innermost region's session packs a tensor, and the stats of every enclosing region (of this
+thread) count it too (:func:`push_stats`).
 
 Forward (pack): an eligible tensor gets a position, its storage span is handed to the target without a copy, and
 the hook keeps only the record. At most ``depth`` writes are in flight; finished writes are **reaped** on the
@@ -18,6 +28,8 @@ by several nodes (a ReLU output that the next Linear saves too) is one record, r
 
 from __future__ import annotations
 
+import atexit
+import threading
 import weakref
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +42,7 @@ from ...errors import FewBitError
 from . import schedule
 from .layout import Layout, describe, raw_bytes, restore
 
-__all__ = ["Session", "Stats"]
+__all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats"]
 
 
 @dataclass
@@ -75,19 +87,81 @@ class _Record:
         self.version = 0
         self.poisoned: str | None = None
 
-    def __del__(self) -> None:
-        try:
-            if self.location is not None:
-                self.target.release(self.location)
-        except Exception:  # noqa: BLE001 - interpreter shutdown; nothing to release into
-            pass
+
+class _RecordRef(weakref.ref):
+    """The session's weak reference to a record; what the target must release once the record is freed."""
+
+    __slots__ = ("position", "target", "location")
+
+
+class _SessionRef(weakref.ref):
+    """A weak reference to a session that carries its targets (closed once the session is freed)."""
+
+    __slots__ = ("targets",)
+
+
+_FREED_SESSIONS: deque[_SessionRef] = deque()  # appended to by the weakref callback (C code, no Python frame)
+_OPEN_SESSIONS: dict[int, _SessionRef] = {}  # id -> reference: keeps the references (and their callbacks) alive
+_FREED_LOCK = threading.Lock()
 
 
 def _close_targets(targets: dict[str, Any]) -> None:
-    for target in list(targets.values()):
+    for target in list(targets.values()):  # (each close is idempotent: an interrupted call is simply redone)
         if target is not None:
             target.close()
     targets.clear()
+
+
+def close_freed() -> None:
+    """Close the targets of the sessions freed since the last call (see the module docstring: a safe point)."""
+    if not _FREED_SESSIONS:
+        return
+    with _FREED_LOCK:
+        while _FREED_SESSIONS:
+            ref = _FREED_SESSIONS[0]
+            _close_targets(ref.targets)
+            _OPEN_SESSIONS.pop(id(ref), None)
+            _FREED_SESSIONS.popleft()
+
+
+@atexit.register
+def _close_all() -> None:  # (files that could not be unlinked at creation are removed at close)
+    for ref in list(_OPEN_SESSIONS.values()):
+        _close_targets(ref.targets)
+    _OPEN_SESSIONS.clear()
+    _FREED_SESSIONS.clear()
+
+
+def _graph_task() -> int:
+    """An identifier of the backward pass running in this thread (-1 outside one)."""
+    return torch._C._current_graph_task_id()
+
+
+def _queue_safe_point() -> None:
+    """Run :func:`close_freed` when the current backward pass ends (no-op outside a backward pass)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(close_freed)
+    except RuntimeError:  # unpacked outside a backward pass (grad_fn._saved_...): no pass to end
+        pass
+
+
+_ACTIVE = threading.local()  # .stats: the Stats of the regions entered in this thread, outermost first
+
+
+def push_stats(stats: Stats) -> None:
+    """A region was entered in this thread: what sessions inside it pack is counted in ``stats`` too."""
+    if not hasattr(_ACTIVE, "stats"):
+        _ACTIVE.stats = []
+    _ACTIVE.stats.append(stats)
+
+
+def pop_stats(stats: Stats) -> None:
+    """The region of ``stats`` was left (the innermost occurrence is removed)."""
+    active = getattr(_ACTIVE, "stats", [])
+    for index in range(len(active) - 1, -1, -1):
+        if active[index] is stats:
+            del active[index]
+            return
 
 
 def _is_parameter_like(tensor: torch.Tensor) -> bool:
@@ -108,16 +182,22 @@ class Session:
         probe: tuple[torch.device, ...] = (),
         exclude: frozenset[int] = frozenset(),
     ) -> None:
+        close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
         self._targets: dict[str, Any] = {}
-        self._finalizer = weakref.finalize(self, _close_targets, self._targets)
+        ref = _SessionRef(self, _FREED_SESSIONS.append)
+        ref.targets = self._targets
+        _OPEN_SESSIONS[id(ref)] = ref
         self.min_bytes = min_bytes
         self.depth = depth
         self.exclude = exclude
         self.stats = Stats()
         self.sealed = False  # backward has started: a new forward should start a new session
         self._closed: str | None = None
-        self._records: weakref.WeakValueDictionary[int, _Record] = weakref.WeakValueDictionary()
+        self._records: dict[int, _RecordRef] = {}  # position -> reference of the records alive
+        self._freed_records: deque[_RecordRef] = deque()  # appended to by the references' callback (C code)
+        self._safe_point_task: int | None = None  # the backward pass whose end is queued as a safe point
+        self.packed = 0  # tensors handed to pack (offloaded or not)
         self._count = 0
         self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._inflight: deque[_Record] = deque()
@@ -132,9 +212,28 @@ class Session:
         for record in list(self._inflight):
             record.write = record.alias = None
         self._inflight.clear()
-        for record in list(self._records.values()):
+        for record in self._alive_records().values():
             record.fetch = record.kept = None
-        self._finalizer()
+        _close_targets(self._targets)
+
+    def _alive_records(self) -> dict[int, _Record]:
+        """The records still alive by position (after releasing what the freed ones held in their target)."""
+        self._release_freed_records()
+        records = {}
+        for position, ref in self._records.items():
+            record = ref()
+            if record is not None:
+                records[position] = record
+        return records
+
+    def _release_freed_records(self) -> None:
+        """Give back to the target what the records freed since the last call held (pinned buffers on CUDA)."""
+        while self._freed_records:
+            ref = self._freed_records.popleft()
+            if self._records.get(ref.position) is ref:
+                del self._records[ref.position]
+            if ref.location is not None:
+                ref.target.release(ref.location)
 
     def _check_open(self) -> None:
         if self._closed is not None:
@@ -161,6 +260,8 @@ class Session:
 
     def pack(self, tensor: torch.Tensor) -> Any:
         self._check_open()
+        self.packed += 1
+        self._release_freed_records()
         self._reap()
         if not self._eligible(tensor):
             return tensor
@@ -189,21 +290,30 @@ class Session:
         raw = raw_bytes(tensor, layout)
         location, job = target.write(raw, sync=self.depth == 0)
         if location is None:  # the target is full (max_host_bytes): the tensor stays where it is
-            self.stats.kept_tensors += 1
-            self.stats.kept_bytes += layout.nbytes
+            self._count_in_stats("kept_tensors", "kept_bytes", layout.nbytes)
             return tensor
         record.location, record.write = location, job
         record.alias, record.version = tensor.detach(), tensor._version
         self._inflight.append(record)
         self._count += 1
-        self._records[record.position] = record
+        ref = _RecordRef(record, self._freed_records.append)
+        ref.position, ref.target, ref.location = record.position, target, location
+        self._records[record.position] = ref
         if len(self._seen) > 2 * len(self._records) + 64:
             self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
-        self._seen[key] = (weakref.ref(tensor), weakref.ref(record))
-        self.stats.tensors += 1
-        self.stats.bytes += layout.nbytes
+        self._seen[key] = (weakref.ref(tensor), ref)
+        self._count_in_stats("tensors", "bytes", layout.nbytes)
         self._reap()
         return record
+
+    def _count_in_stats(self, tensors: str, nbytes: str, size: int) -> None:
+        """Count one tensor of ``size`` bytes in this session's stats and in those of the regions around it."""
+        counted: list[Stats] = []
+        for stats in [self.stats, *getattr(_ACTIVE, "stats", ())]:
+            if not any(stats is seen for seen in counted):
+                counted.append(stats)
+                setattr(stats, tensors, getattr(stats, tensors) + 1)
+                setattr(stats, nbytes, getattr(stats, nbytes) + size)
 
     def _wait_writes(self, count: int) -> None:
         for record in list(self._inflight)[:count]:
@@ -229,11 +339,16 @@ class Session:
 
     # -- backward -------------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
+        task = _graph_task()
+        if task != self._safe_point_task:  # the end of this backward pass is a safe point (see the module docstring)
+            self._safe_point_task = task
+            _queue_safe_point()
         if isinstance(packed, torch.Tensor):
             return packed
         record: _Record = packed
         self._check_open()
         self.sealed = True
+        self._release_freed_records()
         self._reap()
         if record.kept is not None:
             tensor = record.kept
@@ -263,7 +378,7 @@ class Session:
     def _prefetch(self, current: int) -> None:
         if self.depth <= 0:
             return
-        records = dict(self._records.items())
+        records = self._alive_records()
         fetching = [p for p, r in records.items() if r.fetch is not None]
         for position in schedule.stale_positions(current, fetching, self.depth):
             records[position].fetch = None

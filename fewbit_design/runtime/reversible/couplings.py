@@ -232,8 +232,13 @@ class _ReversibleFunction(torch.autograd.Function):
         return y
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
     def backward(ctx, grad_y: torch.Tensor):
+        if torch.is_grad_enabled():  # create_graph=True: refuse now rather than give a graph that is not there
+            raise FewBitError(
+                "reversible sequences do not support higher-order gradients (backward with create_graph=True): "
+                "they rebuild activations from the output in backward; pass reconstruct=False (plain autograd) "
+                "for double backward"
+            )
         y, *flat = ctx.saved_tensors
         state = _unflatten(ctx.spec, flat)
         with _autocast_context(ctx.autocast):
