@@ -14,7 +14,6 @@ per mode (mean over seeds) and the difference to exact. Writes a CSV with one ro
 from __future__ import annotations
 
 import argparse
-import csv
 import statistics
 import sys
 import time
@@ -25,6 +24,9 @@ import torch.nn.functional as F
 
 from fewbit_design.runtime import blpa
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
+
 MODES = {  # name: (bits, naive)
     "exact": (None, False),
     "blpa-8bit": (8, False),
@@ -33,6 +35,7 @@ MODES = {  # name: (bits, naive)
     "naive-4bit": (4, True),
 }
 DEFAULT_MODES = ("exact", "blpa-8bit", "blpa-4bit", "naive-8bit")
+COLUMNS = ("mode", "seed", "depth", "epochs", "accuracy", "final_train_loss", "seconds")
 PRESETS = {  # name: (depth, epochs, seeds)
     "default": (38, 5, 1),
     "full": (38, 20, 5),
@@ -103,14 +106,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--modes", default=",".join(DEFAULT_MODES), help="comma-separated subset of " + ", ".join(MODES)
     )
-    parser.add_argument(
-        "--threads", type=int, default=1, help="torch threads (0: torch's default; 1 is robust on a busy machine)"
-    )
-    parser.add_argument(
-        "--csv",
-        type=Path,
-        default=None,
-        help="default: results/blpa_digits.csv for --full, results/blpa_digits_<preset>.csv otherwise",
+    harness.add_options(
+        parser,
+        threads=1,
+        out=None,
+        help_texts={
+            "threads": "torch threads (0: torch's default; 1 is robust on a busy machine)",
+            "out": "default: results/blpa_digits.csv for --full, results/blpa_digits_<preset>.csv otherwise",
+        },
     )
     preset = parser.add_mutually_exclusive_group()
     preset.add_argument("--full", action="store_true", help="the README's run: depth 38, 20 epochs, 5 seeds")
@@ -118,9 +121,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     preset_name = "full" if args.full else "quick" if args.quick else "default"
     depth, epochs, seeds = PRESETS[preset_name]
-    if args.csv is None:
+    if args.out is None:
         suffix = "" if preset_name == "full" else f"_{preset_name}"
-        args.csv = Path(__file__).parent / "results" / f"blpa_digits{suffix}.csv"
+        args.out = harness.RESULTS / f"blpa_digits{suffix}.csv"
     args.depth = depth if args.depth is None else args.depth
     args.epochs = epochs if args.epochs is None else args.epochs
     args.seeds = seeds if args.seeds is None else args.seeds
@@ -128,9 +131,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [m for m in modes if m not in MODES]
     if unknown:
         parser.error(f"unknown mode(s) {unknown}; choose from {list(MODES)}")
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    harness.set_threads(args.threads)
 
     run_start, cpu_start = time.perf_counter(), time.process_time()
     data = load_digits_split(seed=0)
@@ -159,12 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{result['final_train_loss']:.4f}  ({result['seconds']:.1f} s)",
                 flush=True,
             )
-    with args.csv.open("w", newline="") as handle:
-        writer = csv.DictWriter(
-            handle, fieldnames=["mode", "seed", "depth", "epochs", "accuracy", "final_train_loss", "seconds"]
-        )
-        writer.writeheader()
-        writer.writerows(rows)
+    out = harness.write_csv(args.out, rows, columns=COLUMNS)
 
     def mean_of(mode, key):
         return statistics.mean(r[key] for r in rows if r["mode"] == mode)
@@ -178,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
         ratio = f"{mean_of(mode, 'seconds') / mean_of('exact', 'seconds'):.2f}x" if exact is not None else "-"
         print(f"| {mode} | {accuracy:.2f}% | {delta} | {mean_of(mode, 'final_train_loss'):.4f} | {ratio} |")
     wall, cpu = time.perf_counter() - run_start, time.process_time() - cpu_start
-    print(f"\nwrote {args.csv}; the whole run took {wall:.0f} s wall, {cpu:.0f} s CPU")
+    print(f"\nwrote {out}; the whole run took {wall:.0f} s wall, {cpu:.0f} s CPU")
     return 0
 
 

@@ -4,7 +4,9 @@ For each depth and mode (exact fused baseline, 8-bit, 4-bit) it measures the byt
 with ``fewbit_design.runtime.memory.saved_bytes`` (32x32 inputs, a small batch, training mode), the implied
 maximum batch size under a memory budget (activation bytes only: budget / saved bytes per sample), and the
 forward+backward CPU time per sample (process time, median of interleaved repeats, 1 thread by default) as a
-ratio against exact measured in the same run.
+ratio against exact measured in the same run. Process time is deliberate: with one torch thread it is the step's
+compute time, and unlike the wall clock other processes on a busy shared machine do not inflate it (``--clock wall``
+times the wall clock instead).
 Prints a table and writes a CSV.
 
     python benchmarks/blpa_memory.py                     # depths 164, 254, 488, 1001
@@ -14,15 +16,16 @@ Prints a table and writes a CSV.
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 from fewbit_design.runtime import blpa, memory
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
 
 MODES = {"exact": None, "8-bit": 8, "4-bit": 4}
 
@@ -41,13 +44,21 @@ def build(depth: int, bits, *, batch: int, width: int = 1, seed: int = 0):
     return model, x, target, saved.total / batch
 
 
-def step_seconds(model, x, target) -> float:
-    """CPU seconds of this process for one forward+backward (robust to other processes on a busy machine)."""
-    model.zero_grad(set_to_none=True)
-    start = time.process_time()
-    loss = torch.nn.functional.cross_entropy(model(x), target)
-    loss.backward()
-    return time.process_time() - start
+def step(model, x, target) -> None:
+    """One forward+backward."""
+    torch.nn.functional.cross_entropy(model(x), target).backward()
+
+
+def time_steps(built: dict[str, tuple], repeats: int, clock) -> harness.Timings:
+    """Forward+backward of every mode, interleaved so that slow drifts of the machine hit every mode alike, the
+    gradients reset before each (outside the timed call). No warm-up call: build() ran a step of each."""
+    return harness.measure(
+        {mode: functools.partial(step, *built[mode][:3]) for mode in built},
+        repeats=repeats,
+        warmup=0,
+        clock=clock,
+        before=lambda mode: built[mode][0].zero_grad(set_to_none=True),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -55,14 +66,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--depths", default="164,254,488,1001", help="comma-separated depths 9n + 2")
     parser.add_argument("--width", type=int, default=1, help="channel multiplier (the paper's '1001 (4x)' is 4)")
     parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per configuration")
     parser.add_argument("--budget-gib", type=float, default=11.0, help="memory budget (default 11: a 1080Ti)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument(
-        "--csv",
-        type=Path,
-        default=None,
-        help="default: results/blpa_memory.csv (--quick: results/blpa_memory_quick.csv)",
+    harness.add_options(
+        parser,
+        repeats=3,
+        threads=1,
+        clock="process",
+        out=None,
+        help_texts={
+            "repeats": "timed forward+backward passes per configuration",
+            "out": "default: results/blpa_memory.csv (--quick: results/blpa_memory_quick.csv)",
+        },
     )
     parser.add_argument("--backend", default="auto", help="element-wise BLPA work: auto, torch or numba")
     parser.add_argument("--quick", action="store_true", help="depth 164 only (still a median of --repeats)")
@@ -71,12 +85,10 @@ def main(argv: list[str] | None = None) -> int:
     repeats = args.repeats
     if repeats < 1:
         parser.error(f"--repeats must be at least 1, got {repeats}")
-    if args.csv is None:
-        args.csv = Path(__file__).parent / "results" / ("blpa_memory_quick.csv" if args.quick else "blpa_memory.csv")
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    if args.out is None:
+        args.out = harness.RESULTS / ("blpa_memory_quick.csv" if args.quick else "blpa_memory.csv")
+    harness.set_threads(args.threads)
     blpa.set_backend(args.backend)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
     for depth in depths:  # validate before any long work
         if depth < 11 or (depth - 2) % 9:
             parser.error(f"depth must be 9n + 2, got {depth}")
@@ -85,15 +97,12 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for depth in depths:
         built = {mode: build(depth, bits, batch=args.batch, width=args.width) for mode, bits in MODES.items()}
-        times = {mode: [] for mode in MODES}
-        for _ in range(repeats):  # interleaved, so slow drifts of the machine hit every mode alike
-            for mode in MODES:
-                times[mode].append(step_seconds(*built[mode][:3]))
+        timings = time_steps(built, repeats, harness.CLOCKS[args.clock])
         exact_bytes = built["exact"][3]
-        exact_seconds = statistics.median(times["exact"]) / args.batch
+        exact_seconds = timings["exact"].median / args.batch
         for mode in MODES:
             per_sample = built[mode][3]
-            seconds = statistics.median(times[mode]) / args.batch
+            seconds = timings[mode].median / args.batch
             row = {
                 "depth": depth,
                 "width": args.width,
@@ -115,10 +124,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         del built
-    with args.csv.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out = harness.write_csv(args.out, rows)
 
     print(
         f"\nTable 2 shape (bytes saved for backward; budget {args.budget_gib:g} GiB; "
@@ -137,7 +143,7 @@ def main(argv: list[str] | None = None) -> int:
         for mode in MODES:
             cells = [fmt.format(r[key]) for d in depths for r in rows if r["depth"] == d and r["mode"] == mode]
             print(f"| {label}, {mode} | " + " | ".join(cells) + " |")
-    print(f"\nwrote {args.csv}")
+    print(f"\nwrote {out}")
     return 0
 
 

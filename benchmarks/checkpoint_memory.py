@@ -14,7 +14,8 @@ measures in the same run:
   checkpointing at the same n.
 
 Then the log-log slope of measured peak against n over n = 16 .. 256 per strategy (sqrt(n) growth is 0.5, linear
-is 1.0). Writes ``benchmarks/results/checkpoint_memory.csv`` and ``docs/figures/checkpoint_memory.png``.
+is 1.0). Writes ``benchmarks/results/checkpoint_memory.csv`` and ``docs/figures/checkpoint_memory.png`` (the figure
+only in the default configuration: all n, width 128, gradients allocated; ``--out`` and ``--figure`` write elsewhere).
 
     python benchmarks/checkpoint_memory.py            # n = 8 .. 256, both block types
     python benchmarks/checkpoint_memory.py --quick    # n = 8 .. 64 (a few minutes)
@@ -33,10 +34,9 @@ other processes and a step gets ten times slower and erratic.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
-import time
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -44,7 +44,9 @@ import torch
 
 from fewbit_design.runtime import checkpoint, memory
 
-ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
+
 STRATEGIES = ("none", "sqrt", "greedy", "recursive", "optimal")
 
 
@@ -116,14 +118,10 @@ def measure_peak(model: torch.nn.Module, x: torch.Tensor, allocated: bool) -> in
 def measure_times(
     models: dict[str, torch.nn.Module], x: torch.Tensor, repeats: int, allocated: bool
 ) -> dict[str, float]:
-    """Median step time per model, the models timed in turn (round robin) so that load changes hit all alike."""
-    times: dict[str, list[float]] = {name: [] for name in models}
-    for _ in range(repeats):
-        for name, model in models.items():
-            start = time.perf_counter()
-            step(model, x, allocated)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
+    """Median step time per model, the models timed in turn (round robin) so that load changes hit all alike. No
+    warm-up call: measure_peak has just run every model once."""
+    candidates = {name: lambda model=model: step(model, x, allocated) for name, model in models.items()}
+    return harness.measure(candidates, repeats=repeats, warmup=0).medians()
 
 
 def slope(ns: list[int], peaks: list[int]) -> float:
@@ -133,8 +131,19 @@ def slope(ns: list[int], peaks: list[int]) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="n = 8 .. 64 only")
-    parser.add_argument("--repeats", type=int, default=3, help="timed steps per plan (median)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: stable timings on a shared machine)")
+    harness.add_options(
+        parser,
+        repeats=3,
+        threads=1,
+        out=None,
+        figure=harness.FIGURES / "checkpoint_memory.png",
+        help_texts={
+            "repeats": "timed steps per plan (median)",
+            "threads": "torch threads (1: stable timings on a shared machine)",
+            "out": "output CSV (default: benchmarks/results/checkpoint_memory[_quick][_wWIDTH][_fresh_grads].csv)",
+            "figure": "output PNG, drawn for all n at width 128 with gradients allocated (default: {})",
+        },
+    )
     parser.add_argument(
         "--grads",
         choices=("allocated", "fresh"),
@@ -146,7 +155,7 @@ def main() -> None:
         "--width", type=int, default=128, help="feature width (the batch shrinks so a feature map stays 2**16 values)"
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     allocated = args.grads == "allocated"
     ns = [8, 16, 32, 64] if args.quick else [8, 16, 32, 64, 128, 256]
     rows = []
@@ -189,13 +198,8 @@ def main() -> None:
     name = "checkpoint_memory" + ("_quick" if args.quick else "") + ("" if args.width == 128 else f"_w{args.width}")
     name += "" if allocated else "_fresh_grads"
     name += ".csv"
-    results = ROOT / "benchmarks" / "results" / name
-    results.parent.mkdir(parents=True, exist_ok=True)
-    with results.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
-    print(f"wrote {results.relative_to(ROOT)}")
+    results = harness.write_csv(args.out or harness.RESULTS / name, rows)
+    print(f"wrote {results}")
     fit = [n for n in ns if n >= 16]
     print("\nlog-log slope of measured peak against n over n = " + ", ".join(map(str, fit)))
     for kind in ("mlp", "transformer"):
@@ -211,15 +215,11 @@ def main() -> None:
             f"(median {statistics.median(sqrt_times):.2f})"
         )
     if not args.quick and args.width == 128 and allocated:
-        plot(rows, ns)
+        plot(rows, ns, Path(args.figure))
 
 
-def plot(rows: list[dict], ns: list[int]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+def plot(rows: list[dict], ns: list[int], path: Path) -> None:
+    plt = harness.pyplot()
     figure, axes = plt.subplots(1, 2, figsize=(11, 4.2), sharey=False)
     for axis, kind in zip(axes, ("mlp", "transformer"), strict=True):
         for strategy in STRATEGIES:
@@ -239,11 +239,7 @@ def plot(rows: list[dict], ns: list[int]) -> None:
         axis.set_title(f"{kind} blocks (x: predicted)")
         axis.grid(True, which="both", alpha=0.3)
     axes[0].legend(fontsize=8)
-    figure.tight_layout()
-    path = ROOT / "docs" / "figures" / "checkpoint_memory.png"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=120)
-    print(f"wrote {path.relative_to(ROOT)}")
+    print(f"wrote {harness.save_figure(figure, path, dpi=120)}")
 
 
 if __name__ == "__main__":

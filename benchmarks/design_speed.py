@@ -6,7 +6,9 @@
 * ``fewbit-design gelu --bits 3 --weight normal`` wall time, Python start-up and numba cache loading included.
 
 The fast DPs run serially and with all numba threads; the plain DP (serial) runs where it finishes in reasonable
-time and is skipped beyond (said so in the table). Medians of several runs after a warm-up (numba cache warm).
+time and is skipped beyond (said so in the table). Medians of several runs after a warm-up (numba cache warm). Serial
+and parallel runs are timed in separate blocks, not interleaved: a serial call between two parallel ones would let
+numba's OpenMP workers go idle, and every parallel call would then pay for waking them.
 
     python benchmarks/design_speed.py            # full sizes, CSV in benchmarks/results/design_speed.csv
     python benchmarks/design_speed.py --quick    # small sizes (a smoke test)
@@ -15,13 +17,10 @@ time and is skipped beyond (said so in the table). Medians of several runs after
 from __future__ import annotations
 
 import argparse
-import csv
 import os
 import shutil
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import numba
@@ -31,17 +30,11 @@ from fewbit_design.design import activations, dp
 from fewbit_design.design.integrals import Problem, make_grid, prefix_integrals
 from fewbit_design.design.weights import make_weight
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
+
 # The plain DP runs only up to this many cost evaluations (n^2 K / 2); beyond, it is skipped.
 PLAIN_LIMIT = 2e9
-
-
-def median_time(function, repeat: int) -> float:
-    times = []
-    for _ in range(repeat):
-        start = time.perf_counter()
-        function()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
 
 
 def with_threads(threads: int, function):
@@ -54,6 +47,14 @@ def with_threads(threads: int, function):
             numba.set_num_threads(previous)
 
     return run
+
+
+def serial_and_parallel(fast, threads: int, repeat: int) -> tuple[float, float]:
+    """Median seconds of ``fast(False)`` and of ``fast(True)`` on ``threads`` threads, each after a warm-up call
+    (compilation or cache load), in separate blocks (see the module docstring)."""
+    serial = harness.measure({"serial": lambda: fast(False)}, repeats=repeat)
+    parallel = harness.measure({"parallel": with_threads(threads, lambda: fast(True))}, repeats=repeat)
+    return serial["serial"].median, parallel["parallel"].median
 
 
 def intervals_rows(sizes: list[int], K: int, repeat: int) -> list[dict]:
@@ -69,10 +70,7 @@ def intervals_rows(sizes: list[int], K: int, repeat: int) -> list[dict]:
             return dp.intervals_dp(prefix_integrals(problem, grid), K, parallel=parallel)
 
         prefix = prefix_integrals(problem, make_grid(-10.0, 10.0, n + 1))
-        fast(False)  # warm-up (compilation or cache load)
-        fast(True)
-        serial = median_time(lambda: fast(False), repeat)
-        parallel = median_time(with_threads(threads, lambda: fast(True)), repeat)
+        serial, parallel = serial_and_parallel(fast, threads, repeat)
         plain = None
         if n * n * K / 2 <= PLAIN_LIMIT:
 
@@ -80,8 +78,7 @@ def intervals_rows(sizes: list[int], K: int, repeat: int) -> list[dict]:
                 grid = make_grid(-10.0, 10.0, n + 1)
                 return dp.intervals_dp_reference(prefix_integrals(problem, grid), K)
 
-            reference()
-            plain = median_time(reference, max(1, repeat // 2))
+            plain = harness.measure({"plain": reference}, repeats=max(1, repeat // 2))["plain"].median
             assert dp.intervals_dp_reference(prefix, K)[1].tolist() == dp.intervals_dp(prefix, K)[1].tolist()
         rows.append({"dp": "intervals", "K": K, "n": n, "serial_s": serial, "parallel_s": parallel,
                      "threads": threads, "plain_s": plain})  # fmt: skip
@@ -99,14 +96,11 @@ def levelsets_rows(cases: list[tuple[int, int]], repeat: int) -> list[dict]:
         def fast(parallel: bool, values=values, K=K):
             return dp.kmeans_1d(values, K=K, parallel=parallel)
 
-        fast(False)
-        fast(True)
-        serial = median_time(lambda: fast(False), repeat)
-        parallel = median_time(with_threads(threads, lambda: fast(True)), repeat)
+        serial, parallel = serial_and_parallel(fast, threads, repeat)
         plain = None
         if n * n * K / 2 <= PLAIN_LIMIT:
-            plain = median_time(lambda values=values, K=K: dp.kmeans_1d(values, K=K, reference=True),
-                                max(1, repeat // 2))  # fmt: skip
+            reference = {"plain": lambda values=values, K=K: dp.kmeans_1d(values, K=K, reference=True)}
+            plain = harness.measure(reference, repeats=max(1, repeat // 2))["plain"].median
             assert abs(dp.kmeans_1d(values, K=K, reference=True)[0] - fast(False)[0]) <= 1e-9 * fast(False)[0]
         rows.append({"dp": "levelsets", "K": K, "n": n, "serial_s": serial, "parallel_s": parallel,
                      "threads": threads, "plain_s": plain})  # fmt: skip
@@ -118,8 +112,9 @@ def cli_rows(repeat: int) -> list[dict]:
     if script is None:
         return []
     command = [script, "gelu", "--bits", "3", "--weight", "normal"]
-    subprocess.run(command, check=True, capture_output=True)  # warm the numba cache
-    seconds = median_time(lambda: subprocess.run(command, check=True, capture_output=True), repeat)
+    # one warm-up run (the numba cache)
+    timings = harness.measure({"cli": lambda: subprocess.run(command, check=True, capture_output=True)}, repeats=repeat)
+    seconds = timings["cli"].median
     return [{"dp": "cli: fewbit-design gelu --bits 3 --weight normal", "K": 8, "n": "", "serial_s": seconds,
              "parallel_s": None, "threads": "", "plain_s": None}]  # fmt: skip
 
@@ -152,10 +147,14 @@ def print_table(rows: list[dict]) -> None:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="small sizes only (a smoke test)")
-    parser.add_argument("--repeat", type=int, default=None, help="runs per measurement (median)")
-    parser.add_argument("--csv", default=str(Path(__file__).parent / "results" / "design_speed.csv"))
+    harness.add_options(
+        parser,
+        repeats=None,
+        out=harness.RESULTS / "design_speed.csv",
+        help_texts={"repeats": "runs per measurement (median; default 5, --quick: 2)"},
+    )
     args = parser.parse_args(argv)
-    repeat = args.repeat or (2 if args.quick else 5)
+    repeat = args.repeats or (2 if args.quick else 5)
     if args.quick:
         interval_sizes = [1000, 3000]
         level_cases = [(16, 10**4), (256, 3000)]
@@ -169,12 +168,7 @@ def main(argv: list[str] | None = None) -> None:
     rows += cli_rows(3 if not args.quick else 1)
     print(f"threading layer: {numba.threading_layer()}")
     print_table(rows)
-    path = Path(args.csv)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    path = harness.write_csv(args.out, rows)
     print(f"wrote {path}")
 
 

@@ -31,18 +31,17 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import csv
 import math
-import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
 
 HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # fewbit_design from this checkout; harness.py beside this file
+
+import harness  # noqa: E402
 
 from fewbit_design.runtime import memory, offload  # noqa: E402
 
@@ -90,11 +89,6 @@ def gpt2_stack(layers: int, width: int, heads: int, seq: int, vocab: int) -> tor
     return GPT2Model(config)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def region(mode: str, options: dict):
     if mode == "none":
         return contextlib.nullcontext()
@@ -137,7 +131,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--min-bytes", type=int, default=1 << 20, help="offload saved tensors of at least this size")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median)")
     parser.add_argument("--budget-seconds", type=float, default=math.inf, help="no new round of steps after this")
-    parser.add_argument("--out", default=None, help="CSV (default: benchmarks/results/gpu_offload.csv; --tiny: temp)")
+    harness.add_options(
+        parser, out=None, help_texts={"out": "CSV (default: benchmarks/results/gpu_offload.csv; --tiny: temp)"}
+    )
     parser.add_argument("--tiny", "--dry-run", action="store_true", help="CPU dry run: a tiny stack")
     args = parser.parse_args(argv)
 
@@ -146,8 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         args.vocab = 256
         args.min_bytes = 0
     if args.out is None:  # a dry run never overwrites measured results
-        tiny = Path(tempfile.gettempdir()) / "gpu_offload-tiny.csv"
-        args.out = tiny if args.tiny else HERE / "results" / "gpu_offload.csv"
+        args.out = harness.scratch("gpu_offload-tiny.csv") if args.tiny else harness.RESULTS / "gpu_offload.csv"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         print("gpu_offload: no CUDA device; use --tiny for a dry run on CPU", file=sys.stderr)
@@ -169,30 +164,37 @@ def main(argv: list[str] | None = None) -> int:
         flush=True,
     )
 
-    for mode in MODES:  # warm-up: kernels, allocator, the pinned pool
-        step(model, ids, mode, args.autocast, options)
-    synchronize(device)
-    times: dict[str, list[float]] = {mode: [] for mode in MODES}
     peaks: dict[str, list[tuple[int, int]]] = {mode: [] for mode in MODES}
     stats: dict[str, offload.Stats | None] = {}
     pinned: dict[str, tuple[int, int]] = {}
-    start_all = time.perf_counter()
-    for repeat in range(args.steps):
-        if repeat and time.perf_counter() - start_all > args.budget_seconds:
-            print(f"gpu_offload: time budget of {args.budget_seconds:.0f} s spent after {repeat} steps per mode")
-            break
-        for mode in MODES if repeat % 2 == 0 else MODES[::-1]:
-            if device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-                entry = torch.cuda.memory_allocated(device)
-            start = time.perf_counter()
-            stats[mode] = step(model, ids, mode, args.autocast, options)
-            synchronize(device)
-            times[mode].append(time.perf_counter() - start)
-            if device.type == "cuda":
-                top = torch.cuda.max_memory_allocated(device)
-                peaks[mode].append((top, top - entry))
-            pinned[mode] = pinned_bytes()
+    entry: dict[str, int] = {}
+
+    def before(mode: str) -> None:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            entry[mode] = torch.cuda.memory_allocated(device)
+
+    def after(mode: str, result) -> None:
+        stats[mode] = result
+        if device.type == "cuda":
+            top = torch.cuda.max_memory_allocated(device)
+            peaks[mode].append((top, top - entry[mode]))
+        pinned[mode] = pinned_bytes()
+
+    # one warm-up step per mode (kernels, allocator, the pinned pool), then the modes interleaved step by step,
+    # every other round in reverse order; the device synchronised before and after each timed step
+    timings = harness.measure(
+        {mode: lambda mode=mode: step(model, ids, mode, args.autocast, options) for mode in MODES},
+        repeats=args.steps,
+        baseline="none",
+        alternate=True,
+        synchronize=harness.cuda_synchronize(device),
+        before=before,
+        after=after,
+        budget_seconds=args.budget_seconds,
+    )
+    if timings.rounds < args.steps:
+        print(f"gpu_offload: time budget of {args.budget_seconds:.0f} s spent after {timings.rounds} steps per mode")
     if device.type == "cpu":  # memory.peak in a separate step (the instrument slows operators)
         for mode in MODES:
             with memory.peak(model, ids) as p:
@@ -217,8 +219,8 @@ def main(argv: list[str] | None = None) -> int:
                 "offloaded_tensors": offloaded.tensors if offloaded else 0,
                 "peak_gib": round(top / GIB, 4),
                 "peak_above_start_gib": round(above / GIB, 4),
-                "step_s": round(statistics.median(times[mode]), 4),
-                "step_s_all": " ".join(f"{t:.4f}" for t in times[mode]),
+                "step_s": round(timings[mode].median, 4),
+                "step_s_all": " ".join(f"{t:.4f}" for t in timings[mode].samples),
                 "pinned_in_use_after": pinned[mode][0],
                 "pinned_held": pinned[mode][1],
             }
@@ -227,12 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     for row in rows:
         row["peak_ratio"] = round(row["peak_gib"] / base["peak_gib"], 4)
         row["time_ratio"] = round(row["step_s"] / base["step_s"], 4)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
-        writer.writerows(rows)
+    out = harness.write_csv(args.out, rows, columns=COLUMNS)
     for row in rows:
         print(
             f"  {row['mode']:<12s} peak {row['peak_gib']:8.3f} GiB (x{row['peak_ratio']:.3f}; above start "

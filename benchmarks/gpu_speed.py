@@ -30,12 +30,9 @@ long. Then a figure: forward+backward ratio against bits, per activation and dty
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import os
-import statistics
 import sys
-import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -46,12 +43,14 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+import harness  # noqa: E402
 from runtime_speed import get_table, modules  # noqa: E402
 
 from fewbit_design.runtime.fewbit import ops as op  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 BIT_PRIORITY = (3, 4, 2, 1, 8, 5, 6, 7)
+KINDS = ("forward", "backward", "forward+backward")
 FLUSH_BYTES = 256 << 20
 COLUMNS = [
     "device",
@@ -78,37 +77,15 @@ COLUMNS = [
 ]
 
 
-class Timer:
-    """Seconds of one call: CUDA events around it with the L2 cache flushed first (CUDA), else a host clock."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=device) if self.cuda else None
-
-    def __call__(self, function: Callable[[], object]) -> float:
-        if not self.cuda:
-            start = time.perf_counter()
-            result = function()
-            elapsed = time.perf_counter() - start
-            del result
-            return elapsed
-        self.flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        result = function()
-        end.record()
-        end.synchronize()
-        del result
-        return start.elapsed_time(end) / 1e3
-
-
 def floor_ratio(bits: int, element_size: int) -> float:
     """Bytes per element few-bit / native for forward+backward (see the module docstring)."""
     return (4 * element_size + bits / 4) / (5 * element_size)
 
 
-def measure(native, fewbit, table, n: int, dtype, device, repeats: int, timer: Timer) -> dict[str, float]:
-    """Median seconds of every timed call (keys 'forward native', ..., 'quantize', 'scale', 'nonfinite')."""
+def measure(native, fewbit, table, n: int, dtype, device, repeats: int, timer) -> dict[str, harness.Timings]:
+    """Timings of every timed call: per kind ('forward', 'backward', 'forward+backward') native and few-bit
+    (baseline: native; rounds alternate which goes first; two warm-up calls each: Triton compilation, allocator),
+    and under 'parts' the few-bit op's 'quantize', 'scale' and 'nonfinite' (one warm-up call each)."""
     generator = torch.Generator(device).manual_seed(n)
     x = torch.randn(n, generator=generator, device=device).to(dtype).requires_grad_()
     grad = torch.randn(n, generator=generator, device=device).to(dtype)
@@ -117,28 +94,23 @@ def measure(native, fewbit, table, n: int, dtype, device, repeats: int, timer: T
     boundaries, levels = tensors.for_input(dtype)
     bits = tensors.bits
     packed = op.quantize(x.detach(), boundaries, tensors.interval_codes, bits)
-    runs: dict[str, Callable[[], object]] = {}
+    runs: dict[str, dict[str, Callable[[], object]]] = {kind: {} for kind in KINDS}
     for key, module in (("native", native), ("fewbit", fewbit)):
-        runs[f"forward {key}"] = lambda module=module: module(x)
-        runs[f"backward {key}"] = lambda key=key: torch.autograd.grad(graphs[key], x, grad, retain_graph=True)
-        runs[f"forward+backward {key}"] = lambda module=module: torch.autograd.grad(module(x), x, grad)
-    runs["quantize"] = lambda: op.quantize(x.detach(), boundaries, tensors.interval_codes, bits)
-    runs["scale"] = lambda: op.scale(grad, packed, levels, bits)
-    runs["nonfinite"] = lambda: op.nonfinite_record(x)
-    times: dict[str, list[float]] = {name: [] for name in runs}
-    for kind in ("forward", "backward", "forward+backward"):
-        pair = [f"{kind} native", f"{kind} fewbit"]
-        for name in pair:
-            for _ in range(2):  # warm-up: Triton compilation, allocator
-                timer(runs[name])
-        for repeat in range(repeats):  # interleaved, alternating which goes first
-            for name in pair if repeat % 2 == 0 else pair[::-1]:
-                times[name].append(timer(runs[name]))
-    for name in ("quantize", "scale", "nonfinite"):
-        timer(runs[name])
-        times[name] = [timer(runs[name]) for _ in range(repeats)]
+        runs["forward"][key] = lambda module=module: module(x)
+        runs["backward"][key] = lambda key=key: torch.autograd.grad(graphs[key], x, grad, retain_graph=True)
+        runs["forward+backward"][key] = lambda module=module: torch.autograd.grad(module(x), x, grad)
+    timings = {
+        kind: harness.measure(pair, repeats=repeats, warmup=2, baseline="native", alternate=True, timer=timer)
+        for kind, pair in runs.items()
+    }
+    parts = {
+        "quantize": lambda: op.quantize(x.detach(), boundaries, tensors.interval_codes, bits),
+        "scale": lambda: op.scale(grad, packed, levels, bits),
+        "nonfinite": lambda: op.nonfinite_record(x),
+    }
+    timings["parts"] = harness.measure(parts, repeats=repeats, timer=timer)
     graphs.clear()  # free the retained graphs before the next configuration
-    return {name: statistics.median(values) for name, values in times.items()}
+    return timings
 
 
 def configurations(names: list[str], bit_widths: list[int], dtypes: list[str], sizes: list[int]):
@@ -152,11 +124,7 @@ def configurations(names: list[str], bit_widths: list[int], dtypes: list[str], s
 
 
 def write_figure(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     dtypes = sorted({r["dtype"] for r in rows})
     fig, axes = plt.subplots(1, len(dtypes), figsize=(6 * len(dtypes), 4.5), squeeze=False)
     for ax, dtype in zip(axes[0], dtypes, strict=True):
@@ -175,10 +143,7 @@ def write_figure(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("forward+backward time, few-bit / native")
         ax.set_title(f"{dtype}, 2^{largest.bit_length() - 1} elements ({mine[0]['device']})")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    harness.save_figure(fig, path, dpi=110)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -187,18 +152,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--bits", default="1,2,3,4,8")
     parser.add_argument("--dtypes", default="bfloat16,float32", help=f"comma-separated, of {', '.join(DTYPES)}")
     parser.add_argument("--sizes", default="24,26,28", help="comma-separated log2 of the number of elements")
-    parser.add_argument("--repeats", type=int, default=15, help="timed calls per measurement (median)")
     parser.add_argument("--budget-seconds", type=float, default=math.inf, help="start no configuration after this")
-    parser.add_argument("--out", default=None, help="CSV (default: benchmarks/results/gpu_speed.csv; --tiny: temp)")
-    parser.add_argument("--figure", default=None, help="PNG output path (default: none)")
+    harness.add_options(
+        parser,
+        repeats=15,
+        out=None,
+        figure=None,
+        help_texts={
+            "repeats": "timed calls per measurement (median)",
+            "out": "CSV (default: benchmarks/results/gpu_speed.csv; --tiny: temp)",
+            "figure": "PNG output path (default: none)",
+        },
+    )
     parser.add_argument("--tiny", "--dry-run", action="store_true", help="CPU dry run: tiny sizes, few configurations")
     args = parser.parse_args(argv)
 
     if args.tiny:
         args.activations, args.bits, args.dtypes, args.sizes, args.repeats = "gelu,relu", "1,3", "bfloat16", "8,10", 2
     if args.out is None:  # a dry run never overwrites measured results
-        tiny = Path(tempfile.gettempdir()) / "gpu_speed-tiny.csv"
-        args.out = tiny if args.tiny else HERE / "results" / "gpu_speed.csv"
+        args.out = harness.scratch("gpu_speed-tiny.csv") if args.tiny else harness.RESULTS / "gpu_speed.csv"
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device.type == "cpu" and not args.tiny:
         print("gpu_speed: no CUDA device; use --tiny for a dry run on CPU", file=sys.stderr)
@@ -215,14 +187,11 @@ def main(argv: list[str] | None = None) -> int:
         f"gpu_speed: {name}, torch {torch.__version__}, backend {backend or op.backend_for(device)}, "
         f"median of {args.repeats} interleaved calls"
     )
-    timer = Timer(device)
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    # CUDA events around each call, the L2 cache flushed before it; on CPU (the dry run) the wall clock
+    timer = harness.CudaEvents(device, FLUSH_BYTES) if device.type == "cuda" else None
     rows: list[dict] = []
     start = time.perf_counter()
-    with out.open("w", newline="") as handle, op.use_backend(backend):
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS)
-        writer.writeheader()
+    with harness.CsvWriter(args.out, COLUMNS, float_format=".6g") as writer, op.use_backend(backend):
         for activation, bits, dtype_name, n in configurations(names, bit_widths, dtypes, sizes):
             if time.perf_counter() - start > args.budget_seconds:
                 print(f"gpu_speed: time budget of {args.budget_seconds:.0f} s spent; stopping before {activation} "
@@ -231,22 +200,22 @@ def main(argv: list[str] | None = None) -> int:
             dtype = DTYPES[dtype_name]
             table, source = get_table(activation, bits)
             native, fewbit = (module.to(device) for module in modules(activation, table))
-            medians = measure(native, fewbit, table, n, dtype, device, args.repeats, timer)
+            timings = measure(native, fewbit, table, n, dtype, device, args.repeats, timer)
             element = torch.empty((), dtype=dtype).element_size()
             row = {"device": name, "activation": activation, "bits": bits, "dtype": dtype_name, "numel": n}
             row["table"] = source
-            for kind in ("forward", "backward", "forward+backward"):
-                row[f"{kind}_native_ms"] = 1e3 * medians[f"{kind} native"]
-                row[f"{kind}_fewbit_ms"] = 1e3 * medians[f"{kind} fewbit"]
-                row[f"{kind}_ratio"] = medians[f"{kind} fewbit"] / medians[f"{kind} native"]
+            for kind in KINDS:
+                row[f"{kind}_native_ms"] = 1e3 * timings[kind]["native"].median
+                row[f"{kind}_fewbit_ms"] = 1e3 * timings[kind]["fewbit"].median
+                row[f"{kind}_ratio"] = timings[kind].ratio("fewbit")
             row["floor_ratio"] = floor_ratio(bits, element)
             for part in ("quantize", "scale", "nonfinite"):
-                row[f"{part}_ms"] = 1e3 * medians[part]
-            row["forward+backward_native_GBps"] = 5 * element * n / medians["forward+backward native"] / 1e9
+                row[f"{part}_ms"] = 1e3 * timings["parts"][part].median
+            native_seconds = timings["forward+backward"]["native"].median
+            row["forward+backward_native_GBps"] = 5 * element * n / native_seconds / 1e9
             row["repeats"] = args.repeats
             rows.append(row)
-            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
-            handle.flush()
+            writer.write(row)
             print(
                 f"{activation:>8s} {bits}b {dtype_name:>8s} 2^{n.bit_length() - 1:<2d}  "
                 f"fwd {row['forward_ratio']:.2f}x  bwd {row['backward_ratio']:.2f}x  "
@@ -256,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"nonfinite {row['nonfinite_ms']:.3f} ms",
                 flush=True,
             )
-    print(f"wrote {out} ({len(rows)} rows)")
+    print(f"wrote {args.out} ({len(rows)} rows)")
     if rows:
         print("\nforward+backward few-bit / native (median), largest size per dtype:")
         for dtype_name in dtypes:

@@ -18,6 +18,7 @@ instrument slows operators). Ratios are against ``none`` from the same run.
 
     python benchmarks/offload.py            # --quick: MLP chain with 256 MiB of saved activations + small CNN
     python benchmarks/offload.py --full     # MLP chain with >= 1 GiB of saved activations + small CNN
+    python benchmarks/offload.py --tiny     # a dry run: 4 layers, small inputs, one step, 8 MiB disk probe; temp CSV
 
 Writes benchmarks/results/offload.csv (``--quick`` writes offload-quick.csv).
 """
@@ -25,9 +26,7 @@ Writes benchmarks/results/offload.csv (``--quick`` writes offload-quick.csv).
 from __future__ import annotations
 
 import argparse
-import csv
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -36,7 +35,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # fewbit_design from this checkout; harness.py beside this file
+
+import harness  # noqa: E402
 
 from fewbit_design.runtime import memory, offload  # noqa: E402
 
@@ -120,15 +122,14 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, steps: int, directory:
     mib = saved.total / MiB
     print(f"\n{name}: input {tuple(x.shape)}, {mib:.0f} MiB saved for backward in {saved.tensors} storages")
     modes = ("none", "sync", "offload")
-    for mode in modes:
-        step(model, x, mode, directory)  # warm-up
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
     offloaded: dict[str, offload.Stats | None] = {}
-    for _ in range(steps):  # modes interleaved, so that a slow spell of the shared machine hits them all
-        for mode in modes:
-            start = time.perf_counter()
-            offloaded[mode] = step(model, x, mode, directory)
-            times[mode].append(time.perf_counter() - start)
+    # one warm-up step per mode, then the modes interleaved, so that a slow spell of the shared machine hits them all
+    timings = harness.measure(
+        {mode: lambda mode=mode: step(model, x, mode, directory) for mode in modes},
+        repeats=steps,
+        baseline="none",
+        after=offloaded.__setitem__,
+    )
     rows = []
     for mode in modes:
         has_hwm = vm_hwm_reset()
@@ -145,8 +146,8 @@ def measure(name: str, model: nn.Module, x: torch.Tensor, steps: int, directory:
                 "offloaded_tensors": stats.tensors if stats else 0,
                 "peak_mib": round(peak.max_bytes / MiB, 1),
                 "rss_step_mib": round(status_mib("VmHWM") - rss_entry, 1) if has_hwm else "",
-                "step_s": round(statistics.median(times[mode]), 3),
-                "step_s_all": " ".join(f"{t:.2f}" for t in times[mode]),
+                "step_s": round(timings[mode].median, 3),
+                "step_s_all": " ".join(f"{t:.2f}" for t in timings[mode].samples),
             }
         )
     base = rows[0]
@@ -175,27 +176,32 @@ def main() -> None:
     size = parser.add_mutually_exclusive_group()
     size.add_argument("--quick", action="store_true", help="256 MiB of saved activations (default)")
     size.add_argument("--full", action="store_true", help=">= 1 GiB of saved activations")
+    size.add_argument("--tiny", "--dry-run", action="store_true", help="a dry run: tiny inputs, one step, temp CSV")
     parser.add_argument("--steps", type=int, default=3, help="timed steps per mode (median)")
-    parser.add_argument("--threads", type=int, default=2, help="torch threads")
+    harness.add_options(
+        parser,
+        threads=2,
+        out=None,
+        help_texts={"threads": "torch threads", "out": "output CSV (default: benchmarks/results/offload[-quick].csv)"},
+    )
     parser.add_argument("--directory", default=None, help="folder of the offload files (default: temp folder)")
-    parser.add_argument("--csv", default=None, help="output CSV (default: benchmarks/results/offload[-quick].csv)")
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     torch.manual_seed(0)
     directory = args.directory or tempfile.gettempdir()
-    batch = 65536 if args.full else 16384  # MLP: 32 MiB (full) / 8 MiB (quick) per activation, width 128
+    batch = 65536 if args.full else 2048 if args.tiny else 16384  # MLP: 32 / 8 / 1 MiB per activation, width 128
+    depth, images = (4, (4, 3, 64, 64)) if args.tiny else (32, (32, 3, 64, 64))
+    probe = 8 * MiB if args.tiny else 256 * MiB
+    steps = 1 if args.tiny else args.steps
     print(f"torch {torch.__version__}, {args.threads} threads, {os.cpu_count()} cores, offload folder {directory}")
-    write, read = disk_bandwidth(directory)
-    print(f"disk: pwrite {write:.2f} GB/s, preadv {read:.2f} GB/s (256 MiB, page cache)")
-    rows = measure("mlp-chain", mlp_chain(128, 32), torch.randn(batch, 128), args.steps, directory)
-    rows += measure("small-cnn", small_cnn(32), torch.randn(32, 3, 64, 64), args.steps, directory)
-    default = Path(__file__).parent / "results" / f"offload{'' if args.full else '-quick'}.csv"
-    out = Path(args.csv) if args.csv else default
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as file:
-        writer = csv.DictWriter(file, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    write, read = disk_bandwidth(directory, probe, min(probe, 32 * MiB))
+    print(f"disk: pwrite {write:.2f} GB/s, preadv {read:.2f} GB/s ({probe // MiB} MiB, page cache)")
+    rows = measure("mlp-chain", mlp_chain(128, depth), torch.randn(batch, 128), steps, directory)
+    rows += measure("small-cnn", small_cnn(32), torch.randn(*images), steps, directory)
+    if args.out is None:  # a dry run never overwrites measured results
+        name = "offload.csv" if args.full else "offload-quick.csv"
+        args.out = harness.scratch("offload-tiny.csv") if args.tiny else harness.RESULTS / name
+    out = harness.write_csv(args.out, rows)
     print(f"\nwrote {out}")
 
 

@@ -30,20 +30,20 @@ start, plus the parameters, buffers and inputs (what ``memory.peak`` counts as a
 from __future__ import annotations
 
 import argparse
-import csv
 import functools
 import math
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]  # fewbit_design from this checkout; harness.py beside this file
+
+import harness  # noqa: E402
 
 from fewbit_design.runtime.planner import MemoryPlan, plan_memory  # noqa: E402
 
@@ -159,11 +159,6 @@ def on(device: torch.device, batch: tuple) -> tuple:
     return tuple(t.to(device) for t in batch)
 
 
-def synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def alive_tensors(model: nn.Module, inputs: tuple) -> list[torch.Tensor]:
     return [*model.parameters(), *model.buffers(), *(t for t in inputs if isinstance(t, torch.Tensor))]
 
@@ -179,28 +174,30 @@ def run(name: str, plan: MemoryPlan, build, data, loss, steps: int, seed: int, d
         return output if output.dim() == 0 else nn.functional.cross_entropy(output, example[1])
 
     cuda = device.type == "cuda"
+    synchronize = harness.cuda_synchronize(device)
     if cuda:  # the allocator's peak of the measured step, beside memory.peak's (issue 23.5)
-        synchronize(device)
+        synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         entry = torch.cuda.memory_allocated(device)
     measured = plan.measure(model, *inputs, loss_fn=loss_fn, steps=0)
     if cuda:
-        synchronize(device)
+        synchronize()
         # plus what memory.peak counts as alive at entry (parameters, buffers, inputs), so both are whole-step peaks
         storages = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in alive_tensors(model, inputs)}
         cuda_peak = sum(storages.values()) + torch.cuda.max_memory_allocated(device) - entry
     optimizer = torch.optim.Adam(model.parameters(), lr=3e-3)
     generator = torch.Generator().manual_seed(seed + 100)
-    times = []
-    for _ in range(steps):
-        batch = on(device, data.sample(generator))
-        optimizer.zero_grad(set_to_none=True)
-        synchronize(device)
-        start = time.perf_counter()
-        loss(model, batch).backward()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-        optimizer.step()
+    batches = iter([on(device, data.sample(generator)) for _ in range(steps)])
+    # ``steps`` training steps, each timed call the forward and backward pass of the next batch (the device
+    # synchronised before and after); resetting the gradients and the optimizer step are outside the timed call
+    timings = harness.measure(
+        {name: lambda: loss(model, next(batches)).backward()},
+        repeats=steps,
+        warmup=0,
+        synchronize=synchronize,
+        before=lambda _: optimizer.zero_grad(set_to_none=True),
+        after=lambda _, __: optimizer.step(),
+    )
     model.eval()
     held_out = torch.Generator().manual_seed(999)
     with torch.no_grad():
@@ -217,7 +214,7 @@ def run(name: str, plan: MemoryPlan, build, data, loss, steps: int, seed: int, d
         "measured_peak_mib": measured["peak_bytes"] / MIB,
         "cuda_peak_mib": cuda_peak / MIB if cuda else math.nan,
         "predicted_step_ms": plan.predicted_step_seconds * 1e3,
-        "step_ms": statistics.median(times) * 1e3,
+        "step_ms": timings[name].median * 1e3,
         "held_out_loss": statistics.mean(losses),
     }
 
@@ -303,11 +300,7 @@ COLUMNS = [
 
 
 def figure(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     models = sorted({r["model"] for r in rows})
     fig, axes = plt.subplots(1, len(models), figsize=(6 * len(models), 4.5), squeeze=False)
     markers = {
@@ -334,20 +327,25 @@ def figure(rows: list[dict], path: Path) -> None:
         ax.set_ylabel("step time (ms, median)")
         ax.set_title(f"{model} ({mine[0]['device']}): step time against peak memory (dotted: budgets)")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+    harness.save_figure(fig, path, dpi=120)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated, of gpt2 and cnn (default both; --tiny: gpt2)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per configuration")
-    parser.add_argument("--repeats", type=int, default=2, help="timed runs per profiled option")
-    parser.add_argument("--csv", default=None, help="default: benchmarks/results/planner.csv (--tiny: temp)")
-    parser.add_argument("--figure", default=None, help="default: docs/figures/planner.png (--tiny: temp)")
-    parser.add_argument("--threads", type=int, default=2)
+    harness.add_options(
+        parser,
+        repeats=2,
+        out=None,
+        figure=None,
+        threads=2,
+        help_texts={
+            "repeats": "timed runs per profiled option",
+            "out": "default: benchmarks/results/planner.csv (--tiny: temp)",
+            "figure": "default: docs/figures/planner.png (--tiny: temp)",
+        },
+    )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the models, data and plans on that device)")
     parser.add_argument("--gpt2-shape", default="small", choices=sorted(GPT2_SHAPES), help="the GPT-2 stack's size")
     parser.add_argument("--tolerance", type=float, default=0.10, help="predicted vs measured peak, done-when check")
@@ -357,11 +355,11 @@ def main(argv: list[str] | None = None) -> None:
         args.gpt2_shape, args.steps, args.repeats, args.models = "tiny", 1, 1, args.models or "gpt2"
     args.models = args.models or "gpt2,cnn"
     if args.tiny:  # a dry run never overwrites measured results
-        scratch = Path(tempfile.gettempdir())
-        args.csv, args.figure = args.csv or scratch / "planner-tiny.csv", args.figure or scratch / "planner-tiny.png"
-    args.csv = args.csv or ROOT / "benchmarks" / "results" / "planner.csv"
-    args.figure = args.figure or ROOT / "docs" / "figures" / "planner.png"
-    torch.set_num_threads(args.threads)
+        args.out = args.out or harness.scratch("planner-tiny.csv")
+        args.figure = args.figure or harness.scratch("planner-tiny.png")
+    args.out = args.out or harness.RESULTS / "planner.csv"
+    args.figure = args.figure or harness.FIGURES / "planner.png"
+    harness.set_threads(args.threads)
     device = torch.device(args.device)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"planner: {name}, torch {torch.__version__}, GPT-2 shape {args.gpt2_shape} {GPT2_SHAPES[args.gpt2_shape]}")
@@ -370,14 +368,9 @@ def main(argv: list[str] | None = None) -> None:
         rows += sweep(model.strip(), args.steps, args.repeats, device, args.gpt2_shape)
     for row in rows:
         row["device"] = name
-    Path(args.csv).parent.mkdir(parents=True, exist_ok=True)
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=COLUMNS, extrasaction="ignore")
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: (f"{v:.4g}" if isinstance(v, float) else v) for k, v in row.items()})
+    harness.write_csv(args.out, rows, columns=COLUMNS, float_format=".4g", extrasaction="ignore")
     figure(rows, Path(args.figure))
-    print(f"wrote {args.csv} and {args.figure}")
+    print(f"wrote {args.out} and {args.figure}")
     print("done-when checks (plans):")
     for row in rows:
         if row["kind"] != "plan":

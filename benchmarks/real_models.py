@@ -32,7 +32,6 @@ Writes ``benchmarks/results/real_models.csv`` and ``docs/figures/real_models.png
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import statistics
 import sys
@@ -42,6 +41,9 @@ import warnings
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
 
 try:
     import transformers
@@ -242,11 +244,7 @@ def run(kind: str, variant: str, args, train: list, held_out: list, notes: set[s
 
 
 def plot(rows: list[dict], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = harness.pyplot()
     variants = [v for v in dict.fromkeys(row["variant"] for row in rows) if v != "native"]
     models = list(dict.fromkeys(row["model"] for row in rows))
     figure, axes = plt.subplots(1, 3, figsize=(13, 3.8))
@@ -267,14 +265,12 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0].set_ylim(min(0.95, min(ratios) - 0.01), max(1.05, max(ratios) + 0.01))  # every bar visible
     axes[0].legend(fontsize=8)
     figure.suptitle("Few-bit activations in Hugging Face models (byte-level stdlib corpus, 2-core CPU)", fontsize=10)
-    figure.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    figure.savefig(path, dpi=110)
+    harness.save_figure(figure, path, dpi=110)
 
 
 def run_model(kind: str, args, train: list, held_out: list) -> tuple[list[dict], set[str]]:
     """Every variant of one model, as CSV rows with ratios against its native run (and the notes)."""
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*loss_type.*")
     rows, notes, native = [], set(), None
@@ -313,17 +309,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=20, help="steps of linear learning-rate warm-up (0: none)")
     parser.add_argument("--clip", type=float, default=1.0, help="gradient-norm clipping (0: none)")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (1: fair on a shared machine)")
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
-    parser.add_argument("--out", default="benchmarks/results/real_models.csv")
-    parser.add_argument("--figure", default="docs/figures/real_models.png")
+    harness.add_options(
+        parser,
+        threads=1,
+        out=str(harness.RESULTS / "real_models.csv"),
+        figure=str(harness.FIGURES / "real_models.png"),
+        help_texts={"threads": "torch threads (1: fair on a shared machine)"},
+    )
     parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
         args.steps, args.width, args.seq, args.batch, args.held_out = 6, 64, 32, 4, 2
         args.out = args.out.replace(".csv", "-quick.csv")
         args.figure = args.figure.replace(".png", "-quick.png")
-    torch.set_num_threads(args.threads)
+    harness.set_threads(args.threads)
     transformers.logging.set_verbosity_error()
     data = torch.tensor(list(corpus(args.corpus_bytes)), dtype=torch.int64)
     split = int(data.numel() * 0.9)
@@ -349,12 +349,7 @@ def main(argv: list[str] | None = None) -> None:
     for note in sorted(notes):
         print(f"note: {note}")
     print(f"total {time.perf_counter() - began:.0f} s")
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        writer.writerows(rows)
+    out = harness.write_csv(args.out, rows)
     plot(rows, Path(args.figure))
     print(f"wrote {out} and {args.figure}")
 

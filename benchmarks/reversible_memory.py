@@ -7,7 +7,8 @@ For each depth and architecture (``resnet`` baseline, ``revnet``, ``layerwise``,
   excluded) and the same per input pixel (batch x height x width), the paper's M_z';
 * the peak of the bytes that the recomputations inside backward keep alive at once (the "local bottleneck" of
   section 3.4: a RevNet block holds all hidden activations of its f or g; the hybrid only one layer's);
-* the forward+backward time per sample (median of repeats) and its ratio to the ResNet of the same depth.
+* the forward+backward time per sample (median of repeats, the architectures of a depth interleaved) and its ratio
+  to the ResNet of the same depth (``--repeats 0``: memory only).
 
 Prints a table and writes a CSV.
 
@@ -18,17 +19,18 @@ Prints a table and writes a CSV.
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
 import sys
-import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import reversible as R
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
 
 ARCHS = ("resnet", "revnet", "layerwise", "hybrid")
 
@@ -77,7 +79,10 @@ def build(arch: str, depth: int, channels: int, size: int) -> torch.nn.Module:
     return builder(depth, channels, input_size=(size, size))
 
 
-def measure(arch: str, depth: int, *, channels: int, batch: int, size: int, repeats: int, seed: int = 0) -> dict:
+def measure(
+    arch: str, depth: int, *, channels: int, batch: int, size: int, seed: int = 0
+) -> tuple[dict, torch.nn.Module, Callable[[], None]]:
+    """The memory figures of one architecture (a CSV row, time to be filled in), its model and its training step."""
     torch.manual_seed(seed)
     model = build(arch, depth, channels, size).train()
     generator = torch.Generator().manual_seed(seed)
@@ -88,21 +93,31 @@ def measure(arch: str, depth: int, *, channels: int, batch: int, size: int, repe
     peak = BackwardPeak()
     with torch.autograd.graph.saved_tensors_hooks(peak.pack, peak.unpack):
         loss.backward()  # also the warm-up of the timing
-    times = []
-    for _ in range(repeats):
-        model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+
+    def step() -> None:
         torch.nn.functional.cross_entropy(model(x), target).backward()
-        times.append(time.perf_counter() - start)
-    return {
+
+    row = {
         "arch": arch,
         "depth": depth,
         "parameters": sum(p.numel() for p in model.parameters()),
         "saved_bytes": saved.total,
         "bytes_per_pixel": saved.total / (batch * size * size),
         "backward_peak_bytes": peak.peak,
-        "ms_per_sample": 1e3 * statistics.median(times) / batch if times else float("nan"),
+        "ms_per_sample": float("nan"),
     }
+    return row, model, step
+
+
+def time_steps(measured: dict[str, tuple], repeats: int) -> harness.Timings:
+    """The training steps of the architectures interleaved, the gradients reset before each (outside the timed
+    call). No warm-up call: measure() ran a step of each."""
+    return harness.measure(
+        {arch: step for arch, (_, _, step) in measured.items()},
+        repeats=repeats,
+        warmup=0,
+        before=lambda arch: measured[arch][1].zero_grad(set_to_none=True),
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -112,9 +127,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--channels", type=int, default=16, help="channels after the stem (divisible by 4)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--size", type=int, default=32, help="input height and width (divisible by 4)")
-    parser.add_argument("--repeats", type=int, default=3, help="timed forward+backward passes per configuration")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads (0: torch's default)")
-    parser.add_argument("--csv", type=Path, default=Path(__file__).parent / "results" / "reversible_memory.csv")
+    harness.add_options(
+        parser,
+        repeats=3,
+        threads=1,
+        out=harness.RESULTS / "reversible_memory.csv",
+        help_texts={"repeats": "timed forward+backward passes per configuration (0: no timing)"},
+    )
     parser.add_argument("--quick", action="store_true", help="depths 4 and 8, one timed repeat")
     args = parser.parse_args(argv)
     try:
@@ -130,15 +149,19 @@ def main(argv: list[str] | None = None) -> int:
     if min(depths) < 1 or args.channels % 4 or args.size % 4 or args.batch < 1:
         parser.error("depths must be >= 1, --channels and --size divisible by 4, --batch >= 1")
     repeats = 1 if args.quick else args.repeats
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    args.csv.parent.mkdir(parents=True, exist_ok=True)
+    harness.set_threads(args.threads)
 
     rows = []
     for depth in depths:
+        measured = {
+            arch: measure(arch, depth, channels=args.channels, batch=args.batch, size=args.size) for arch in archs
+        }
+        if repeats > 0:
+            timings = time_steps(measured, repeats)
+            for arch, (row, _, _) in measured.items():
+                row["ms_per_sample"] = 1e3 * timings[arch].median / args.batch
         baseline = None
-        for arch in archs:
-            row = measure(arch, depth, channels=args.channels, batch=args.batch, size=args.size, repeats=repeats)
+        for arch, (row, _, _) in measured.items():
             baseline = baseline or row
             row["saved_vs_resnet"] = row["saved_bytes"] / baseline["saved_bytes"]
             row["time_vs_resnet"] = row["ms_per_sample"] / baseline["ms_per_sample"]
@@ -150,11 +173,8 @@ def main(argv: list[str] | None = None) -> int:
                 f"{row['ms_per_sample']:7.2f} ms/sample (x{row['time_vs_resnet']:.2f})",
                 file=sys.stderr,
             )
-    columns = list(rows[0])
-    with open(args.csv, "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=columns)
-        writer.writeheader()
-        writer.writerows(rows)
+        del measured
+    out = harness.write_csv(args.out, rows)
     print(f"\ninput {args.batch}x3x{args.size}x{args.size}, {args.channels} channels, pooling channel then batch")
     header = (
         f"{'arch':>9} {'depth':>5} {'params':>8} {'saved MiB':>10} {'B/pixel':>9} {'vs resnet':>9} "
@@ -167,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{row['bytes_per_pixel']:>9.1f} {row['saved_vs_resnet']:>9.3f} "
             f"{row['backward_peak_bytes'] / 2**20:>12.3f} {row['ms_per_sample']:>9.2f} {row['time_vs_resnet']:>14.2f}"
         )
-    print(f"\nwrote {args.csv}")
+    print(f"\nwrote {out}")
     return 0
 
 

@@ -20,10 +20,8 @@ with ``fewbit_design.design`` (said in the output). Prints a table and writes a 
 from __future__ import annotations
 
 import argparse
-import csv
-import statistics
+import functools
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -34,8 +32,11 @@ from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fewbit_nn
 from fewbit_design.runtime.tables import load_table
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness.py beside this file, however this file is loaded
+import harness  # noqa: E402
+
 DEFAULT_ACTIVATIONS = "gelu,silu,relu,sigmoid,tanh"
-CLOCKS = {"wall": time.perf_counter, "process": time.process_time}
+KINDS = ("forward", "backward", "forward+backward")
 
 
 def get_table(name: str, bits: int) -> tuple[object, str]:
@@ -57,33 +58,29 @@ def modules(name: str, table) -> tuple[torch.nn.Module, torch.nn.Module]:
     return native_class(), fewbit_class(table=table)
 
 
-def measure(native, fewbit, n: int, repeats: int, clock) -> dict[str, float]:
-    """Median seconds of forward, backward, forward+backward for both modules, interleaved."""
+def measure(native, fewbit, n: int, repeats: int, clock) -> dict[str, harness.Timings]:
+    """Timings of forward, backward, forward+backward for both modules (baseline: native), interleaved; rounds
+    alternate which module goes first. One warm-up call each (numba compile or cache load, the allocator)."""
     generator = torch.Generator().manual_seed(n)
     x = torch.randn(n, generator=generator).requires_grad_()
     grad = torch.randn(n, generator=generator)
-    graphs = {"native": native(x), "fewbit": fewbit(x)}
+    candidates = {"native": native, "fewbit": fewbit}
+    graphs = {key: module(x) for key, module in candidates.items()}
     runs = {
-        "forward": lambda module, key: module(x),
-        "backward": lambda module, key: torch.autograd.grad(graphs[key], x, grad, retain_graph=True),
-        "forward+backward": lambda module, key: torch.autograd.grad(module(x), x, grad),
+        "forward": lambda key: candidates[key](x),
+        "backward": lambda key: torch.autograd.grad(graphs[key], x, grad, retain_graph=True),
+        "forward+backward": lambda key: torch.autograd.grad(candidates[key](x), x, grad),
     }
-    times: dict[str, list[float]] = {f"{kind} {key}": [] for kind in runs for key in graphs}
-    for kind, run in runs.items():
-        for key, module in (("native", native), ("fewbit", fewbit)):
-            run(module, key)  # warm-up (numba compile or cache load, allocator)
-        for repeat in range(repeats):
-            order = (
-                (("native", native), ("fewbit", fewbit))
-                if repeat % 2 == 0
-                else (("fewbit", fewbit), ("native", native))
-            )
-            for key, module in order:
-                start = clock()
-                result = run(module, key)
-                times[f"{kind} {key}"].append(clock() - start)
-                del result
-    return {name: statistics.median(values) for name, values in times.items()}
+    return {
+        kind: harness.measure(
+            {key: functools.partial(run, key) for key in candidates},
+            repeats=repeats,
+            baseline="native",
+            alternate=True,
+            clock=clock,
+        )
+        for kind, run in runs.items()
+    }
 
 
 def saved(module, n: int) -> int:
@@ -99,10 +96,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--activations", default=DEFAULT_ACTIVATIONS, help="comma-separated names, or 'all'")
     parser.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths")
     parser.add_argument("--sizes", default="16,20,24", help="comma-separated log2 of the number of elements")
-    parser.add_argument("--repeats", type=int, default=0, help="timed repeats per measurement (0: by size)")
-    parser.add_argument("--threads", type=int, default=0, help="torch (and few-bit kernel) threads; 0: torch default")
-    parser.add_argument("--clock", choices=sorted(CLOCKS), default="wall", help="wall time or process CPU time")
-    parser.add_argument("--out", default="benchmarks/results/runtime_speed.csv", help="CSV output path")
+    harness.add_options(
+        parser,
+        out=harness.RESULTS / "runtime_speed.csv",
+        repeats=0,
+        threads=0,
+        clock="wall",
+        help_texts={
+            "repeats": "timed repeats per measurement (0: by size)",
+            "threads": "torch (and few-bit kernel) threads; 0: torch default",
+        },
+    )
     parser.add_argument("--quick", action="store_true", help="tiny sizes, one activation, 3 bits: a smoke test")
     args = parser.parse_args(argv)
 
@@ -115,9 +119,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     bit_widths = [int(b) for b in args.bits.split(",")]
     sizes = [2 ** int(s) for s in args.sizes.split(",")]
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    clock = CLOCKS[args.clock]
+    harness.set_threads(args.threads)
+    clock = harness.CLOCKS[args.clock]
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, clock: {args.clock}, median of interleaved runs"
     )
@@ -129,12 +132,12 @@ def main(argv: list[str] | None = None) -> int:
             native, fewbit = modules(name, table)
             for n in sizes:
                 repeats = args.repeats or (25 if n <= 2**16 else 11 if n <= 2**20 else 7)
-                medians = measure(native, fewbit, n, repeats, clock)
+                timings = measure(native, fewbit, n, repeats, clock)
                 row = {"activation": name, "bits": bits, "numel": n, "table": source}
-                for kind in ("forward", "backward", "forward+backward"):
-                    row[f"{kind}_native_ms"] = 1e3 * medians[f"{kind} native"]
-                    row[f"{kind}_fewbit_ms"] = 1e3 * medians[f"{kind} fewbit"]
-                    row[f"{kind}_ratio"] = medians[f"{kind} fewbit"] / medians[f"{kind} native"]
+                for kind in KINDS:
+                    row[f"{kind}_native_ms"] = 1e3 * timings[kind]["native"].median
+                    row[f"{kind}_fewbit_ms"] = 1e3 * timings[kind]["fewbit"].median
+                    row[f"{kind}_ratio"] = timings[kind].ratio("fewbit")
                 row["saved_native_bytes"] = saved(native, n)
                 row["saved_fewbit_bytes"] = saved(fewbit, n)
                 row["saved_ratio"] = row["saved_fewbit_bytes"] / row["saved_native_bytes"]
@@ -165,13 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                 cells = [r["forward+backward_fewbit_ms"] for r in rows if r["activation"] == name and r["bits"] == bits]
                 print(f"{name:>10s} {bits:4d} " + " ".join(f"{c / b:7.2f}" for c, b in zip(cells, base, strict=True)))
 
-    out = Path(args.out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with out.open("w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=list(rows[0]))
-        writer.writeheader()
-        for row in rows:
-            writer.writerow({k: f"{v:.6g}" if isinstance(v, float) else v for k, v in row.items()})
+    out = harness.write_csv(args.out, rows, float_format=".6g")
     print(f"\nwrote {out}")
     return 0
 
