@@ -51,3 +51,31 @@ result = {'import': after_import, 'modules': after_modules, 'reference': after_r
 """
     result = loaded_after(code)
     assert result == {"import": [], "modules": [], "reference": [], "cpu kernel": True}
+
+
+def test_documented_runtime_paths_are_plain_modules_and_convert_is_the_function_whatever_was_imported_first():
+    # The documented paths re-export the technique's public names (the same objects); ``runtime.convert`` is the
+    # function even after the module that defines it was imported by its own path, and no module stands in for
+    # another in sys.modules.
+    code = """
+import types
+import fewbit_design.runtime.fewbit.convert
+import fewbit_design.runtime.nn
+from fewbit_design import runtime
+from fewbit_design.runtime import fewbit, functional, nn, tables
+from fewbit_design.runtime.nn import GELU
+result = {
+    'convert is the function': isinstance(runtime.convert, types.FunctionType),
+    'same objects': GELU is fewbit.nn.GELU and functional.gelu is fewbit.functional.gelu
+        and tables.load_table is fewbit.tables.load_table is runtime.load_table and runtime.FewBit is fewbit.nn.FewBit,
+    'same names': [sorted(m.__all__) == sorted(getattr(fewbit, n).__all__)
+                   for n, m in (('nn', nn), ('functional', functional), ('tables', tables))],
+    'own modules': [sys.modules[f'fewbit_design.runtime.{n}'].__name__ for n in ('nn', 'functional', 'tables')],
+}
+"""
+    assert loaded_after(code) == {
+        "convert is the function": True,
+        "same objects": True,
+        "same names": [True, True, True],
+        "own modules": [f"fewbit_design.runtime.{name}" for name in ("nn", "functional", "tables")],
+    }
