@@ -79,3 +79,27 @@ result = {
         "same names": [True, True, True],
         "own modules": [f"fewbit_design.runtime.{name}" for name in ("nn", "functional", "tables")],
     }
+
+
+def test_dir_of_the_lazy_packages_lists_their_api_and_no_helper_without_loading_anything():
+    code = """
+import fewbit_design
+import fewbit_design.design as design_package
+from fewbit_design import runtime
+before = set(sys.modules)
+listed = {'fewbit_design': dir(fewbit_design), 'design': dir(design_package), 'runtime': dir(runtime)}
+loaded_by_dir = sorted(m for m in set(sys.modules) - before)
+public = {'fewbit_design': sorted(set(fewbit_design.__all__) | {'activations', 'weights', 'integrals', 'dp', 'refine',
+                                                                'snr'}),
+          'design': sorted(design_package.__all__), 'runtime': sorted(runtime.__all__)}
+packages = {'fewbit_design': fewbit_design, 'design': design_package, 'runtime': runtime}
+result = {'listed is public': [listed[name] == public[name] for name in listed], 'loaded by dir': loaded_by_dir,
+          'resolvable': [name for name in listed if not all(hasattr(packages[name], a) for a in listed[name])] == [],
+          'callable design package': callable(design_package)}
+"""
+    assert loaded_after(code) == {
+        "listed is public": [True, True, True],
+        "loaded by dir": [],
+        "resolvable": True,
+        "callable design package": False,
+    }
