@@ -103,3 +103,18 @@ result = {'listed is public': [listed[name] == public[name] for name in listed],
         "resolvable": True,
         "callable design package": False,
     }
+
+
+def test_dir_of_the_technique_packages_lists_their_api_and_no_helper():
+    code = """
+import importlib
+helpers = {'annotations', 'torch', 'Any', 'lazy_getattr', 'sys', 'types', 'importlib'}
+result = {}
+for name in ('blpa', 'reversible', 'checkpoint', 'offload', 'planner'):
+    package = importlib.import_module(f'fewbit_design.runtime.{name}')
+    listed = set(dir(package))
+    result[name] = {'missing': sorted(set(package.__all__) - listed), 'helpers': sorted(helpers & listed)}
+"""
+    assert loaded_after(code) == {
+        name: {"missing": [], "helpers": []} for name in ("blpa", "reversible", "checkpoint", "offload", "planner")
+    }
