@@ -10,35 +10,33 @@ Terms used throughout the package:
 * **level**: the value y of the approximation for a code; q(x) = levels[codes[interval(x)]].
 * **error** L = integral of (f'(x) - q(x))**2 w(x) dx.
 
-Where things are: :mod:`fewbit_design.design` (the math), :mod:`fewbit_design.table` (the table format),
-:mod:`fewbit_design.tables` (the shipped set), :mod:`fewbit_design.plots`, :mod:`fewbit_design.cli` (the command)
-and :mod:`fewbit_design.runtime` (PyTorch). This module imports nothing heavy: ``design``, ``Table`` and friends
-load on first use, and importing :mod:`fewbit_design.runtime` never loads scipy, matplotlib or numba.
+Where things are: :mod:`fewbit_design.design` (the math; :func:`fewbit_design.design.design` is the entry point),
+:mod:`fewbit_design.table` (the table format), :mod:`fewbit_design.tables` (the shipped set),
+:mod:`fewbit_design.plots`, :mod:`fewbit_design.cli` (the command) and :mod:`fewbit_design.runtime` (PyTorch). This
+module imports nothing heavy: ``design``, ``Table`` and friends load on first use, and importing
+:mod:`fewbit_design.runtime` never loads scipy, matplotlib or numba.
 
->>> import fewbit_design
->>> table = fewbit_design.design("relu", 1)   # doctest: +SKIP
+>>> from fewbit_design.design import design
+>>> table = design("relu", 1)   # doctest: +SKIP
 """
 
-from __future__ import annotations
-
-from ._lazy import lazy_getattr
+from ._lazy import lazy_getattr as _lazy_getattr
+from ._lazy import public_dir as _public_dir
 from ._version import __version__
 from .errors import FewBitError
 
 __all__ = ["__version__", "FewBitError", "Table", "design", "load"]
 
-# ``fewbit_design.design`` is the design package; it is callable, so ``fewbit_design.design("gelu", 3)`` works.
-# The design math's modules are also reachable here by their short names (``from fewbit_design import snr``).
-_DESIGN_MODULES = ("activations", "weights", "integrals", "dp", "refine", "snr")
-__getattr__ = lazy_getattr(
-    __name__,
-    {
-        "Table": ("fewbit_design.table", "Table"),
-        "load": ("fewbit_design.table", "load"),
-        "design": ("fewbit_design.design", None),
-        **{
-            name: (f"fewbit_design.design.{name}", None)
-            for name in ("activations", "weights", "integrals", "dp", "refine", "snr")
-        },
+# ``fewbit_design.design`` is the design package. Its modules are also reachable here by their short names
+# (``from fewbit_design import snr``).
+_LAZY = {
+    "Table": ("fewbit_design.table", "Table"),
+    "load": ("fewbit_design.table", "load"),
+    "design": ("fewbit_design.design", None),
+    **{
+        name: (f"fewbit_design.design.{name}", None)
+        for name in ("activations", "weights", "integrals", "dp", "refine", "snr")
     },
-)
+}
+__getattr__ = _lazy_getattr(__name__, _LAZY)
+__dir__ = _public_dir(__all__, _LAZY)

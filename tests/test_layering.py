@@ -158,3 +158,42 @@ def test_cli_imports_downward_only():
         return level(target) <= level(module) and target != module
 
     assert _violations(rule) == []
+
+
+def _replaces_a_module(node: ast.AST) -> bool:
+    """``sys.modules[...] = ...`` or ``<anything>.__class__ = ...``: a module standing in for another, or changing
+    its own type (to be callable)."""
+    if not isinstance(node, ast.Assign | ast.AugAssign | ast.AnnAssign):
+        return False
+    targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+    for target in targets:
+        if isinstance(target, ast.Subscript) and ast.unparse(target.value) == "sys.modules":
+            return True
+        if isinstance(target, ast.Attribute) and target.attr == "__class__":
+            return True
+    return False
+
+
+def test_no_module_replaces_itself_or_its_class():
+    found = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno}"
+        for path in sorted(PACKAGE.rglob("*.py"))
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path)))
+        if _replaces_a_module(node)
+    ]
+    assert found == []
+
+
+@pytest.mark.parametrize("package", ["fewbit_design", "fewbit_design.design", "fewbit_design.runtime"])
+def test_package_init_files_only_re_export(package):
+    # The top-level, design and runtime packages: every __init__.py holds a docstring, imports, __all__ and lazy
+    # tables, no function or class (the logic lives in named modules).
+    root = PACKAGE.parent / package.replace(".", "/")
+    inits = [root / "__init__.py"] if package != "fewbit_design.runtime" else sorted(root.rglob("__init__.py"))
+    holding_logic = [
+        f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}"
+        for path in inits
+        for node in ast.parse(path.read_text(), filename=str(path)).body
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef)
+    ]
+    assert holding_logic == []

@@ -15,7 +15,7 @@ import copy
 import pytest
 import torch
 
-from fewbit_design.runtime.convert import convert
+from fewbit_design.runtime import convert
 
 
 def make_model(seed=0):

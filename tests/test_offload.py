@@ -862,7 +862,7 @@ def test_torch_save_of_an_offloaded_model(tmp_path, one_torch_thread):
     torch.save(model, buffer)
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=False)
-    assert isinstance(loaded[1].__dict__["forward"], offload._OffloadedForward)
+    assert isinstance(loaded[1].__dict__["forward"], offload.modules._OffloadedForward)
     assert loaded[1].__dict__["forward"].offloader.stats.tensors == 0  # a fresh start
     model.zero_grad()
     model(x).sum().backward()

@@ -5,6 +5,7 @@ grad_output * levels[codes[searchsorted(boundaries, x, side='right')]] computed 
 """
 
 import copy
+import dataclasses
 import inspect
 import json
 import math
@@ -460,3 +461,30 @@ def test_forward_on_every_view_is_torchs_on_the_same_view(name, dtype, make_tabl
         grad = torch.linspace(-2, 2, out.numel()).reshape(out.shape).to(out.dtype)
         out.backward(grad)  # codes packed from the view in logical (row-major) order
         assert torch.equal(view.grad, oracle_grad(table, view, grad)), (name, dtype, kind)
+
+
+def test_a_shipped_table_is_found_by_one_key_and_the_index_entries_are_bound_once(tables_dir, monkeypatch):
+    from fewbit_design.runtime.fewbit import tables as lookup
+
+    gelu = activations.bind("gelu")
+    key = lookup.TableKey.of(gelu, bits=2, mode="levelsets", weight="uniform")
+    assert key == lookup.TableKey.of(activations.bind("GELU", {"approximate": "none"}), bits=2, mode="levelsets",
+                                     weight="uniform")  # fmt: skip
+    assert key.params == (("approximate", "none"),) and hash(key) == hash(dataclasses.replace(key))
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        key.bits = 3
+    bound_params = []
+    real_bind = activations.bind
+
+    def counting_bind(name, params=None):
+        bound_params.append(dict(params or {}))
+        return real_bind(name, params)
+
+    monkeypatch.setattr(lookup.activations, "bind", counting_bind)
+    runtime.load_table("leaky_relu", bits=2)  # binds the index entries of (leaky_relu, 2 bits, levelsets, uniform)
+    shipped = {"negative_slope": 0.01}
+    assert shipped in bound_params
+    bound_params.clear()
+    with pytest.raises(FewBitError, match="not in the shipped set"):
+        runtime.load_table("leaky_relu", params={"negative_slope": 0.25}, bits=2)
+    assert bound_params and shipped not in bound_params  # another key of the same group: the entries stay bound

@@ -13,38 +13,20 @@ What it owns, bottom to top:
 It may import numpy, scipy, numba, :mod:`fewbit_design.errors` and :mod:`fewbit_design.table`; never torch (except
 lazily, for a user's activation given as a module), the runtime, the CLI or matplotlib.
 
-The package itself is callable, so ``fewbit_design.design("gelu", 3)`` designs a table whichever of the function
-or this package a caller reached; ``from fewbit_design.design import design`` gives the function. Nothing heavy
-loads until first use: the runtime imports :mod:`.activations` without loading numba or scipy.
+``from fewbit_design.design import design`` gives the entry point (this package is a plain package, not callable).
+Nothing heavy loads until first use: the runtime imports :mod:`.activations` without loading numba or scipy.
 
->>> import fewbit_design
->>> table = fewbit_design.design("relu", 1)   # doctest: +SKIP
+>>> from fewbit_design.design import design
+>>> table = design("relu", 1)   # doctest: +SKIP
 """
 
-from __future__ import annotations
-
-import sys
-import types
-from typing import Any
-
-from .._lazy import lazy_getattr
+from .._lazy import lazy_getattr as _lazy_getattr
+from .._lazy import public_dir as _public_dir
 
 __all__ = ["design", "activations", "weights", "integrals", "dp", "refine", "engine", "snr"]
 
-_SUBMODULES = ("activations", "weights", "integrals", "dp", "refine", "engine", "snr")
-
-
-__getattr__ = lazy_getattr(
+__getattr__ = _lazy_getattr(
     __name__,
-    {"design": (f"{__name__}.engine", "design"), **{name: (f"{__name__}.{name}", None) for name in _SUBMODULES}},
+    {"design": (f"{__name__}.engine", "design"), **{name: (f"{__name__}.{name}", None) for name in __all__[1:]}},
 )
-
-
-class _CallablePackage(types.ModuleType):
-    """This package's module type: calling the package calls :func:`fewbit_design.design.engine.design`."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.design(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallablePackage
+__dir__ = _public_dir(__all__)

@@ -4,7 +4,8 @@ a planner that combines them, and memory accounting.
 Where things are (one folder per technique, each with its module API, functional API and kernels):
 
 * :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, table loading, the op and its kernels);
-  :mod:`.nn`, :mod:`.functional`, :mod:`.convert` and :mod:`.tables` are its documented paths.
+  :mod:`.nn`, :mod:`.functional` and :mod:`.tables` are the documented paths of its public names, and
+  ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
@@ -18,56 +19,41 @@ The runtime imports torch, numba lazily (CPU kernels), triton lazily (CUDA kerne
 matplotlib or the CLI.
 
 Importing this package loads torch but never scipy or matplotlib, and numba only when a CPU kernel first runs.
-Submodules load on first attribute access, so ``from fewbit_design import runtime`` stays cheap.
+Submodules load on first attribute access, so ``from fewbit_design import runtime`` stays cheap; ``dir(runtime)``
+lists them all before they load.
 """
 
-from __future__ import annotations
-
-from .._lazy import lazy_getattr
+from .._lazy import lazy_getattr as _lazy_getattr
+from .._lazy import public_dir as _public_dir
 
 try:
-    import torch  # noqa: F401  (fail here, with the fix, rather than deep inside a submodule)
-except ModuleNotFoundError as error:
-    if error.name != "torch":
+    import torch as _torch  # noqa: F401  (fail here, with the fix, rather than deep inside a submodule)
+except ModuleNotFoundError as _error:
+    if _error.name != "torch":
         raise
     raise ModuleNotFoundError(
         "fewbit_design.runtime needs PyTorch: pip install 'fewbit-design[runtime]' "
         "(or install the torch build for your machine first)",
         name="torch",
-    ) from error
+    ) from _error
 
-_SUBMODULES = (
-    "fewbit",
-    "nn",
-    "functional",
-    "convert",
-    "tables",
-    "memory",
-    "blpa",
-    "reversible",
-    "checkpoint",
-    "offload",
-    "planner",
+# public name -> (module under this package, attribute of it or None for the module itself); see fewbit_design._lazy
+_LAZY = {
+    **{
+        name: (name, None)
+        for name in ("fewbit", "nn", "functional", "tables", "memory")
+        + ("blpa", "reversible", "checkpoint", "offload", "planner")
+    },
+    "FewBit": ("fewbit.nn", "FewBit"),
+    "load_table": ("fewbit.tables", "load_table"),
+    "convert": ("fewbit.convert", "convert"),
+    "calibrate": ("fewbit.calibrate", "calibrate"),
+    "plan_memory": ("planner", "plan_memory"),
+    "load_plan": ("planner", "load_plan"),
+}
+
+__all__ = list(_LAZY)
+__getattr__ = _lazy_getattr(
+    __name__, {name: (f"{__name__}.{module}", value) for name, (module, value) in _LAZY.items()}
 )
-# name -> (absolute module, attribute or None for the module itself); see fewbit_design._lazy
-_LAZY_ATTRIBUTES: dict[str, tuple[str, str | None]] = {name: (f"{__name__}.{name}", None) for name in _SUBMODULES}
-
-__all__ = list(_SUBMODULES)
-
-
-def _register(name: str, module: str, attribute: str | None = None) -> None:
-    """Expose ``attribute`` (default ``name``) of the submodule ``module`` as ``fewbit_design.runtime.<name>``."""
-    _LAZY_ATTRIBUTES[name] = (f"{__name__}.{module}", attribute or name)
-    if name not in __all__:
-        __all__.append(name)
-
-
-_register("FewBit", "nn", "FewBit")
-_register("load_table", "tables", "load_table")
-_register("convert", "convert", "convert")
-_register("calibrate", "fewbit.calibrate", "calibrate")
-_register("plan_memory", "planner", "plan_memory")
-_register("load_plan", "planner", "load_plan")
-
-
-__getattr__ = lazy_getattr(__name__, _LAZY_ATTRIBUTES)
+__dir__ = _public_dir(__all__)

@@ -1,6 +1,8 @@
-"""The documented path of :mod:`fewbit_design.runtime.fewbit.functional` (the same module object)."""
+"""Few-bit activation functions (the ``torch.nn.functional`` forms): the documented path.
 
-import importlib
-import sys
+Re-exports the public names of :mod:`fewbit_design.runtime.fewbit.functional`, where the code lives (the objects are
+the same: ``runtime.functional.gelu is runtime.fewbit.functional.gelu``).
+"""
 
-sys.modules[__name__] = importlib.import_module("fewbit_design.runtime.fewbit.functional")
+from .fewbit.functional import *  # noqa: F403
+from .fewbit.functional import __all__  # noqa: F401

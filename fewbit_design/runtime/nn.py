@@ -1,6 +1,8 @@
-"""The documented path of :mod:`fewbit_design.runtime.fewbit.nn` (the same module object)."""
+"""Few-bit activation modules (drop-in ``torch.nn`` classes and :class:`FewBit`): the documented path.
 
-import importlib
-import sys
+Re-exports the public names of :mod:`fewbit_design.runtime.fewbit.nn`, where the code lives (the objects are the
+same: ``runtime.nn.GELU is runtime.fewbit.nn.GELU``).
+"""
 
-sys.modules[__name__] = importlib.import_module("fewbit_design.runtime.fewbit.nn")
+from .fewbit.nn import *  # noqa: F403
+from .fewbit.nn import __all__  # noqa: F401

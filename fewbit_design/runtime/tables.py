@@ -1,6 +1,8 @@
-"""The documented path of :mod:`fewbit_design.runtime.fewbit.tables` (the same module object)."""
+"""Finding and loading design tables for the runtime (the shipped set or files): the documented path.
 
-import importlib
-import sys
+Re-exports the public names of :mod:`fewbit_design.runtime.fewbit.tables`, where the code lives (the objects are the
+same: ``runtime.tables.load_table is runtime.fewbit.tables.load_table``).
+"""
 
-sys.modules[__name__] = importlib.import_module("fewbit_design.runtime.fewbit.tables")
+from .fewbit.tables import *  # noqa: F403
+from .fewbit.tables import __all__  # noqa: F401

@@ -39,8 +39,6 @@ torch.Size([2, 16, 5, 5])
 'BNReLULinear'
 """
 
-from __future__ import annotations
-
 from . import quant
 from .fuse import convert
 from .models import PreActBottleneck, PreActResNet, preact_resnet

@@ -13,20 +13,14 @@
 
 This package owns the chain's cost model and the checkpoint schedules: ``profile.py`` (measure blocks),
 ``cost.py`` (the peak/time model of a schedule, pure Python), ``plan.py`` (strategies: none, sqrt, greedy,
-recursive, optimal DP; budgets; the plan file), ``apply.py`` (run a plan with ``torch.utils.checkpoint``),
-``fingerprint.py`` (what a plan was made for, checked when it is applied). It imports torch,
-numpy, the project's errors and :mod:`fewbit_design.runtime.memory`, nothing else of the runtime. For the memory
-planner: :class:`Profile` / :class:`BlockProfile` hold per-block saved bytes, output bytes and time, and
-:func:`predict` gives the peak bytes and extra time of any set of segments.
+recursive, optimal DP; budgets; the plan file), ``apply.py`` (run a plan with ``torch.utils.checkpoint``; ``wrap``:
+profile, plan and apply in one call), ``fingerprint.py`` (what a plan was made for, checked when it is applied). It
+imports torch, numpy, the project's errors and :mod:`fewbit_design.runtime.memory`, nothing else of the runtime.
+For the memory planner: :class:`Profile` / :class:`BlockProfile` hold per-block saved bytes, output bytes and time,
+and :func:`predict` gives the peak bytes and extra time of any set of segments.
 """
 
-from __future__ import annotations
-
-from typing import Any
-
-import torch
-
-from .apply import CheckpointedSequential, apply, remove
+from .apply import CheckpointedSequential, apply, remove, wrap
 from .cost import Prediction, Segment, predict
 from .plan import STRATEGIES, Plan, load_plan, minimum_budget, parse_budget, plan
 from .profile import BlockProfile, Profile, profile
@@ -49,27 +43,3 @@ __all__ = [
     "remove",
     "wrap",
 ]
-
-
-def wrap(
-    blocks: Any,
-    *example_inputs: Any,
-    budget: int | float | str | None = None,
-    strategy: str = "optimal",
-    selective: bool = False,
-    grads_allocated: bool = False,
-    **example_kwargs: Any,
-) -> torch.nn.Module:
-    """Profile, plan and apply in one call: ``apply(blocks, plan(profile(blocks, *example), budget=...))``.
-
-    ``grads_allocated``: plan for steps whose parameters' gradients exist before the backward pass (see
-    :func:`.profile.profile`).
-
-    The plan is kept on the result (``.plan`` of a CheckpointedSequential; for a ModuleList, ``blocks.fewbit_plan``).
-    """
-    measured = profile(blocks, *example_inputs, grads_allocated=grads_allocated, **example_kwargs)
-    chosen = plan(measured, budget=budget, strategy=strategy)
-    result = apply(blocks, chosen, selective=selective)
-    if isinstance(result, torch.nn.ModuleList):
-        result.fewbit_plan = chosen
-    return result

@@ -17,6 +17,8 @@ recomputation, so it overestimates a selective run).
 recomputes, and batch-norm statistics are updated once by the functional graph. With ``backend="eager"`` (Dynamo
 alone) a batch norm inside a checkpointed segment fails in torch's own checkpoint ("modified by an inplace
 operation"), as it does for ``torch.utils.checkpoint`` without this module.
+
+:func:`wrap` profiles, plans and applies in one call.
 """
 
 from __future__ import annotations
@@ -34,8 +36,10 @@ from ...errors import FewBitError
 from .cost import Segment
 from .fingerprint import check_fingerprint
 from .plan import Plan
+from .plan import plan as plan_segments
+from .profile import profile as profile_blocks
 
-__all__ = ["CheckpointedSequential", "CheckpointedForward", "apply", "remove", "KEEP_OPS"]
+__all__ = ["CheckpointedSequential", "CheckpointedForward", "apply", "remove", "wrap", "KEEP_OPS"]
 
 _aten = torch.ops.aten
 #: operations whose outputs ``selective=True`` keeps instead of recomputing (Chen §4.2)
@@ -255,3 +259,27 @@ def apply(blocks: Any, plan: Plan, *, selective: bool = False) -> torch.nn.Modul
     raise FewBitError(
         f"blocks must be an nn.Sequential, an nn.ModuleList or a list of modules, got {type(blocks).__name__}"
     )
+
+
+def wrap(
+    blocks: Any,
+    *example_inputs: Any,
+    budget: int | float | str | None = None,
+    strategy: str = "optimal",
+    selective: bool = False,
+    grads_allocated: bool = False,
+    **example_kwargs: Any,
+) -> torch.nn.Module:
+    """Profile, plan and apply in one call: ``apply(blocks, plan(profile(blocks, *example), budget=...))``.
+
+    ``grads_allocated``: plan for steps whose parameters' gradients exist before the backward pass (see
+    :func:`.profile.profile`).
+
+    The plan is kept on the result (``.plan`` of a CheckpointedSequential; for a ModuleList, ``blocks.fewbit_plan``).
+    """
+    measured = profile_blocks(blocks, *example_inputs, grads_allocated=grads_allocated, **example_kwargs)
+    chosen = plan_segments(measured, budget=budget, strategy=strategy)
+    result = apply(blocks, chosen, selective=selective)
+    if isinstance(result, torch.nn.ModuleList):
+        result.fewbit_plan = chosen
+    return result

@@ -39,7 +39,6 @@ import contextlib
 import logging
 import math
 import sys
-import types
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -716,13 +715,3 @@ def _build(name: str, module, decision, candidate: _Candidate | None, *, bits: i
 def _non_default(name: str, params: Mapping[str, Any]) -> dict[str, Any]:
     defaults = activations.get(name).defaults
     return {key: value for key, value in params.items() if defaults.get(key) != value}
-
-
-class _CallableModule(types.ModuleType):
-    # ``fewbit_design.runtime.convert`` is both this module and the function: importing the submodule makes the
-    # package attribute the module, so the module forwards calls to :func:`convert`.
-    def __call__(self, model: torch.nn.Module, **kwargs: Any):
-        return convert(model, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -4,6 +4,9 @@ The shipped tables live in the package folder ``fewbit_design/tables/`` with an 
 (format ``fewbit-index/1``) that lists, for every table file, its activation, params, bits, mode, symmetric flag
 and weight ("uniform": w = 1 on [-10, 10]; "normal": the standard normal density on [-10, 10]).
 The folder can be overridden with the ``FEWBIT_TABLES_DIR`` environment variable or the ``root=`` argument.
+A shipped table is looked up by one :class:`TableKey` (activation, canonical params, bits, mode, weight); the index
+is read once per version of the file, grouped by (activation, bits, mode, weight), and each group's params are bound
+once.
 
 >>> from fewbit_design import runtime
 >>> table = runtime.load_table("gelu", bits=3)                        # doctest: +SKIP
@@ -20,6 +23,7 @@ import json
 import math
 import os
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +48,7 @@ __all__ = [
     "MAX_NESTING",
     "read_table_text",
     "check_kernel_table",
+    "TableKey",
 ]
 
 INDEX_FORMAT = "fewbit-index/1"
@@ -137,8 +142,26 @@ def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
     return set(a) == set(b) and all(_same_value(a[key], b[key]) for key in a)
 
 
+@dataclass(frozen=True)
+class TableKey:
+    """What identifies a shipped table: the activation's canonical name, its canonical params (name/value pairs
+    sorted by name, torch's defaults filled in by :func:`~fewbit_design.design.activations.bind`), bits, mode and
+    weight. Lookups are cached on it."""
+
+    activation: str
+    params: tuple[tuple[str, Any], ...]
+    bits: int
+    mode: str
+    weight: str
+
+    @classmethod
+    def of(cls, bound: activations.BoundActivation, *, bits: int, mode: str, weight: str) -> TableKey:
+        return cls(bound.name, tuple(sorted(bound.params.items())), bits, mode, weight)
+
+
 @functools.lru_cache(maxsize=16)
-def _read_index(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
+def _read_index(path: str, mtime_ns: int) -> dict[tuple[Any, ...], tuple[dict[str, Any], ...]]:
+    """The index's entries by (activation, bits, mode, weight), read once per version of the file."""
     try:
         document = json.loads(read_table_text(path))  # the same size and nesting bounds as a table file
     except json.JSONDecodeError as exc:
@@ -148,11 +171,31 @@ def _read_index(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
     entries = document.get("tables")
     if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
         raise FewBitError(f"table index {path!r}: field 'tables' must be a list of objects")
+    groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
     for number, entry in enumerate(entries):
         for key in ("file", "activation", "bits", "mode", "weight"):
             if key not in entry:
                 raise FewBitError(f"table index {path!r}: entry {number} has no field {key!r}")
-    return tuple(entries)
+        group = (entry["activation"], entry["bits"], entry["mode"], entry["weight"])
+        try:
+            groups.setdefault(group, []).append(entry)
+        except TypeError:  # a list or object where a name or number belongs: it matches no lookup
+            continue
+    return {group: tuple(members) for group, members in groups.items()}
+
+
+@functools.lru_cache(maxsize=64)
+def _bound_entries(path: str, mtime_ns: int, group: tuple[Any, ...]) -> tuple[tuple[dict[str, Any], dict], ...]:
+    """The entries of one (activation, bits, mode, weight) with their params bound (torch's defaults filled in),
+    once per version of the index; an entry whose params do not bind matches nothing."""
+    name = group[0]
+    bound = []
+    for entry in _read_index(path, mtime_ns).get(group, ()):
+        try:
+            bound.append((activations.bind(name, dict(entry.get("params") or {})).params, entry))
+        except FewBitError:
+            continue
+    return tuple(bound)
 
 
 def _not_shipped(bound: activations.BoundActivation, bits: int, weight: str, mode: str, reason: str) -> FewBitError:
@@ -191,44 +234,33 @@ def load_table(
         mtime = index.stat().st_mtime_ns
     except OSError:
         raise _not_shipped(bound, bits, weight, mode, f"the table index {str(index)!r} does not exist") from None
-    key = tuple(sorted((name, repr(value)) for name, value in bound.params.items()))
-    return _load_shipped(bound.name, key, bits, weight, mode, str(folder), mtime)
+    return _load_shipped(TableKey.of(bound, bits=bits, mode=mode, weight=weight), str(folder), mtime)
 
 
 @functools.lru_cache(maxsize=256)
-def _load_shipped(name: str, params_key: tuple, bits: int, weight: str, mode: str, folder: str, mtime: int) -> Table:
-    bound = activations.bind(name, {key: _literal(value) for key, value in params_key})
+def _load_shipped(key: TableKey, folder: str, mtime: int) -> Table:
+    name, params = key.activation, dict(key.params)
     index = Path(folder) / "index.json"
-    matches = []
-    for entry in _read_index(str(index), mtime):
-        if (entry["activation"], entry["bits"], entry["mode"], entry["weight"]) != (name, bits, mode, weight):
-            continue
-        try:
-            entry_params = activations.bind(name, dict(entry.get("params") or {})).params
-        except FewBitError:
-            continue
-        if _same_params(entry_params, bound.params):
-            matches.append(entry)
+    matches = [
+        entry
+        for entry_params, entry in _bound_entries(str(index), mtime, (name, key.bits, key.mode, key.weight))
+        if _same_params(entry_params, params)
+    ]
     if not matches:
-        raise _not_shipped(bound, bits, weight, mode, f"it is not in the shipped set ({index})")
+        bound = activations.bind(name, params)
+        raise _not_shipped(bound, key.bits, key.weight, key.mode, f"it is not in the shipped set ({index})")
     entry = sorted(matches, key=lambda e: bool(e.get("symmetric", False)))[0]  # prefer the non-symmetric table
     path = (Path(folder) / str(entry["file"])).resolve()
     if Path(folder) not in path.parents:
         raise FewBitError(f"table index {str(index)!r}: file {entry['file']!r} lies outside the tables folder")
     table = _load_path(path)
     found = (table.activation, table.bits, table.mode)
-    if found != (name, bits, mode) or not _same_params(activations.bind(name, table.params).params, bound.params):
+    if found != (name, key.bits, key.mode) or not _same_params(activations.bind(name, table.params).params, params):
         raise FewBitError(
             f"table file {str(path)!r} does not match its index entry: it is {table.activation} "
             f"({_format_params(table.params)}) at {table.bits} bits, mode {table.mode!r}"
         )
     return table
-
-
-def _literal(text: str) -> Any:
-    import ast
-
-    return ast.literal_eval(text)
 
 
 @functools.lru_cache(maxsize=64)

@@ -52,8 +52,6 @@ Layout: :mod:`._autograd` (RNG replay, frozen statistics, recording, vector-Jaco
 >>> loss.backward()
 """
 
-from __future__ import annotations
-
 from ._autograd import frozen_running_stats, uses_rng
 from .architectures import POOLING_KINDS, ReversibleNet, hybrid_net, layerwise_net, resnet, revnet
 from .couplings import AdditiveCoupling, InvertibleModule, ReversibleSequence
