@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
@@ -143,7 +142,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     """
     from ..design import design
     from ..design.weights import make_weight
-    from ..table import check_writable
+    from ..table import check_outputs
 
     # Every input is checked before any work.
     bits = check_bits(bits, name="--bits")
@@ -157,12 +156,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
         raise FewBitError(f"--grid must be at least 2**bits + 1 = {2**bits + 1}, got {grid}")
     bound = _bound_activation(activation, module, params)
     w = make_weight(weight_kind, low=low, high=high, loc=loc, scale=scale, df=df, samples=samples)
-    if out is not None:
-        check_writable(out, force=force)
-    if plot is not None:
-        check_writable(plot, force=force)
-        if out is not None and Path(out).resolve() == Path(plot).resolve():
-            raise FewBitError(f"--out and --plot must be different files, got {out!r} twice")
+    check_outputs({"--out": out, "--plot": plot}, force=force)
     start = time.perf_counter()
     table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
                    refine=not no_refine, progress=_progress)  # fmt: skip
@@ -172,7 +166,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     if plot is not None:
         from ..plots import plot_table
 
-        plot_table(table, bound, w, plot)
+        plot_table(table, bound, w, plot, force=force)
     if as_json:
         click.echo(table.to_json(), nl=False)
         return

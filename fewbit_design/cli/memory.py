@@ -19,7 +19,7 @@ from typing import Any
 import click
 
 from ..errors import FewBitError
-from ..table import check_writable, write_bytes_atomic, write_text_atomic
+from ..table import check_outputs, write_bytes_atomic, write_text_atomic
 from ._options import cli
 
 __all__ = ["memory", "plot_plan", "load_factory", "parse_shape"]
@@ -171,11 +171,9 @@ def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measur
     """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget."""
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
-    for path in (plot_path, save_path):
-        if path is not None:
-            check_writable(path, force=force)
     if plot_path is not None and os.path.splitext(plot_path)[1].lower() not in (".png", ".pdf", ".svg"):
         raise FewBitError(f"--plot must end in .png, .pdf or .svg, got {plot_path!r}")
+    check_outputs({"--save": save_path, "--plot": plot_path}, force=force)
     if vocab is not None and vocab < 1:
         raise FewBitError(f"--vocab must be a positive integer, got {vocab}")
     function = load_factory(factory)
