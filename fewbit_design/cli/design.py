@@ -10,7 +10,8 @@ from typing import Any
 import click
 import numpy as np
 
-from ..errors import FewBitError, check_bits, check_choice, check_range
+from ..design.weights import check_design_range
+from ..errors import FewBitError, check_bits, check_choice
 from ._options import WEIGHT_KINDS, ActivationCommand, cli, fold_option, weight_options
 
 MODES = ("levelsets", "intervals")
@@ -87,10 +88,20 @@ def format_summary(table: Any, seconds: float) -> str:
     lines.append(f"error L = {table.error:.6g}")
     if "grid_error" in design:
         lines.append(f"grid error (DP on {design.get('grid')} grid points) = {design['grid_error']:.6g}")
-    lines.append("SNR = " + ("inf (exact)" if table.snr_db is None else f"{table.snr_db:.2f} dB"))
+    lines.append(f"SNR = {snr_text(table)}")
     refined = "refined" if design.get("refined") else "not refined"
     lines.append(f"time: {seconds:.2f} s ({refined}, {design.get('iterations', 0)} iterations)")
     return "\n".join(lines)
+
+
+def snr_text(table: Any) -> str:
+    """The SNR as the summary prints it. A table with error 0 is exact (q = f' wherever w > 0); when f' is 0 there
+    as well, the SNR 0/0 is undefined and the table of zeros is still exact."""
+    if table.snr_db is not None:
+        return f"{table.snr_db:.2f} dB"
+    if not np.any(table.levels):
+        return "undefined (f' = 0 wherever w > 0; the table of zeros is exact)"
+    return "inf (exact: q = f' wherever w > 0)"
 
 
 @cli.command("design", cls=ActivationCommand, hidden=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -149,7 +160,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     mode = check_choice("--mode", mode, MODES)
     if symmetric and mode != "intervals":
         raise FewBitError("--symmetric applies only to --mode intervals (it quantizes |x|)")
-    low, high = check_range(*design_range, name="--range")
+    low, high = check_design_range(*design_range, name="--range")
     weight_kind = check_choice("--weight", weight, WEIGHT_KINDS)
     spacing = check_choice("--spacing", spacing, SPACINGS)
     if grid is not None and not 2**bits + 1 <= grid:
