@@ -36,6 +36,9 @@ __all__ = [
     "check_numbers",
     "MAX_TABLE_BYTES",
     "MAX_NESTING",
+    "parse_json",
+    "check_index",
+    "INDEX_FORMAT",
     "check_writable",
     "check_outputs",
     "write_bytes_atomic",
@@ -64,6 +67,7 @@ def _format_values(values: np.ndarray, exact: Any) -> list[float]:
     Exact values are kinks and their float neighbours (a boundary at nextafter(-1, +inf) must not round to -1) and
     constant derivatives (1/6), so that the runtime reproduces torch's derivative bitwise there.
     """
+    exact = exact if isinstance(exact, list | tuple) else ()
     keep = {int(i) for i in exact if isinstance(i, int) and not isinstance(i, bool)}
     return [float(v) if i in keep else format_float(v) for i, v in enumerate(values)]
 
@@ -144,7 +148,7 @@ class Table:
             "boundaries": _format_values(self.boundaries, exact.get("boundaries", ())),
             "codes": [int(c) for c in self.codes],
             "levels": _format_values(self.levels, exact.get("levels", ())),
-            "error": format_float(self.error),
+            "error": None if math.isnan(self.error) else format_float(self.error),
             "snr_db": None if self.snr_db is None else format_float(self.snr_db),
             "design": dict(self.design),
         }
@@ -171,7 +175,7 @@ class Table:
             "mode": data["mode"],
             "symmetric": data.get("symmetric", False),
             "weight": data.get("weight", {}),
-            "error": data.get("error", float("nan")),
+            "error": float("nan") if data.get("error") is None else data["error"],
             "snr_db": data.get("snr_db"),
             "design": data.get("design", {}),
             "source": source,
@@ -201,6 +205,11 @@ def _validate(table: Table, source: str | None) -> None:
         raise _fail(source, "activation", f"must be a non-empty string, got {table.activation!r}")
     if not isinstance(table.params, dict):
         raise _fail(source, "params", f"must be an object, got {table.params!r}")
+    for key, value in table.params.items():
+        if not (value is None or isinstance(value, str | bool | int | float | np.integer | np.floating)) or (
+            isinstance(value, float | np.floating) and not math.isfinite(value)
+        ):
+            raise _fail(source, "params", f"must map names to numbers, strings or booleans, got {key}={value!r}")
     bits = table.bits
     if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
         raise _fail(source, "bits", f"must be an integer from 1 to 8, got {bits!r}")
@@ -226,27 +235,97 @@ def _validate(table: Table, source: str | None) -> None:
         bad = int(c[(c < 0) | (c >= y.size)][0])
         raise _fail(source, "codes", f"must be in [0, {y.size}) (one level per code), got {bad}")
     error = table.error
-    if not isinstance(error, int | float | np.floating) or not (math.isnan(error) or error >= 0):
-        raise _fail(source, "error", f"must be a number >= 0, got {error!r}")
+    if (
+        isinstance(error, bool)
+        or not isinstance(error, int | float | np.floating)
+        or not (math.isnan(error) or 0 <= error < math.inf)
+    ):
+        raise _fail(source, "error", f"must be a finite number >= 0 or null, got {error!r}")
     snr = table.snr_db
-    if snr is not None and (not isinstance(snr, int | float | np.floating) or not math.isfinite(snr)):
+    if snr is not None and (
+        isinstance(snr, bool) or not isinstance(snr, int | float | np.floating) or not math.isfinite(snr)
+    ):
         raise _fail(source, "snr_db", f"must be a finite number or null, got {snr!r}")
     if not isinstance(table.design, dict):
         raise _fail(source, "design", f"must be an object, got {table.design!r}")
 
 
-def loads(text: str, source: str | None = None) -> Table:
-    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval), within :data:`MAX_NESTING`."""
+def _no_constant(name: str) -> Any:
+    raise FewBitError(f"{name} is not a JSON number (tables hold finite numbers only)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FewBitError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is beyond the float64 range")
+    return value
+
+
+def parse_json(text: str, where: str) -> Any:
+    """Parse JSON text strictly, every failure one :class:`FewBitError` starting with ``where`` (``table 'a.json'``).
+
+    Strict: ``NaN`` and ``Infinity`` (which Python's json accepts) and numbers beyond float64 are errors, and an
+    integer literal beyond Python's 4300-digit limit is an error instead of a ValueError from the decoder.
+    """
     depth = _nesting_depth(text)
     if depth > MAX_NESTING:
-        raise FewBitError(
-            f"table {source!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
-            "(a table nests 3 deep): not a table"
-        )
+        raise FewBitError(f"{where}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING}: not a table file")
     try:
-        data = json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except FewBitError as exc:
+        raise FewBitError(f"{where}: not valid: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise FewBitError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer literal of more than 4300 digits, and the like
+        message = str(exc).split(";")[0]
+        raise FewBitError(f"{where}: not valid JSON ({message})") from None
+
+
+INDEX_FORMAT = "fewbit-index/1"
+_INDEX_TYPES = {
+    "file": (str,),
+    "activation": (str,),
+    "weight": (str,),
+    "mode": (str,),
+    "bits": (int,),
+    "params": (dict, type(None)),
+    "symmetric": (bool,),
+    "error": (int, float, type(None)),
+}
+
+
+def check_index(document: Any, where: str) -> list[dict[str, Any]]:
+    """The entries of a ``fewbit-index/1`` document (the index of a tables folder), each checked: an object with a
+    non-empty ``file``, the ``activation``, ``bits``, ``mode`` and ``weight`` it holds, and optional ``params`` (an
+    object of numbers, strings and booleans), ``symmetric`` and ``error``. Every failure is one :class:`FewBitError`
+    starting with ``where`` and naming the entry and field."""
+    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
+        raise FewBitError(f"{where}: field 'format' must be {INDEX_FORMAT!r}")
+    entries = document.get("tables")
+    if not isinstance(entries, list):
+        raise FewBitError(f"{where}: field 'tables' must be a list of objects")
+    for number, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise FewBitError(f"{where}: entry {number} must be an object, got {type(entry).__name__}")
+        for key, types in _INDEX_TYPES.items():
+            if key not in entry:
+                if key in ("file", "activation", "bits", "mode", "weight"):
+                    raise FewBitError(f"{where}: entry {number} has no field {key!r}")
+                continue
+            value = entry[key]
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types) or value == "":
+                raise FewBitError(f"{where}: entry {number} field {key!r} has the wrong type: {value!r}")
+        params = entry.get("params") or {}
+        for key, value in params.items():
+            if not (value is None or isinstance(value, str | bool | int | float)):
+                raise FewBitError(f"{where}: entry {number} field 'params' must map names to numbers, strings or "
+                                  f"booleans, got {key}={value!r}")  # fmt: skip
+    return entries
+
+
+def loads(text: str, source: str | None = None) -> Table:
+    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval) with :func:`parse_json`."""
+    data = parse_json(text, f"table {source!r}")
     check_numbers(data, source)
     return Table.from_dict(data, source=source)
 

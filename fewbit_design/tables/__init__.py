@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FewBitError
-from ..table import Table, load, write_text_atomic
+from ..table import INDEX_FORMAT, Table, check_index, load, parse_json, read_table_text, write_text_atomic
 
 __all__ = [
     "INDEX_FORMAT",
@@ -41,7 +41,6 @@ __all__ = [
     "read_index",
 ]
 
-INDEX_FORMAT = "fewbit-index/1"
 TABLES_DIR = Path(__file__).resolve().parent
 RANGE = (-10.0, 10.0)
 # weight name in the index -> keyword arguments of design()
@@ -398,16 +397,11 @@ def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
     """Read and check ``index.json`` of a tables folder."""
     root = Path(root) if root is not None else TABLES_DIR
     path = root / "index.json"
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FewBitError(f"no table index at {str(path)!r}; run 'fewbit-design tables build'") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FewBitError(f"table index {str(path)!r} cannot be read: {exc}") from None
-    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
-        raise FewBitError(f"table index {str(path)!r}: field 'format' must be {INDEX_FORMAT!r}")
-    if not isinstance(document.get("tables"), list):
-        raise FewBitError(f"table index {str(path)!r}: field 'tables' must be a list")
+    if not path.exists():
+        raise FewBitError(f"no table index at {str(path)!r}; run 'fewbit-design tables build'")
+    where = f"table index {str(path)!r}"
+    document = parse_json(read_table_text(path), where)  # the size and nesting bounds of a table file
+    check_index(document, where)
     return document
 
 

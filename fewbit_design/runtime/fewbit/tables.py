@@ -16,7 +16,6 @@ elu.json` and pass table='elu.json'
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -27,7 +26,17 @@ import numpy as np
 
 from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice
-from ...table import MAX_NESTING, MAX_TABLE_BYTES, MODES, Table, check_numbers, loads, read_table_text
+from ...table import (
+    MAX_NESTING,
+    MAX_TABLE_BYTES,
+    MODES,
+    Table,
+    check_index,
+    check_numbers,
+    loads,
+    parse_json,
+    read_table_text,
+)
 
 __all__ = [
     "INDEX_FORMAT",
@@ -139,20 +148,9 @@ def _same_params(a: Mapping[str, Any], b: Mapping[str, Any]) -> bool:
 
 @functools.lru_cache(maxsize=16)
 def _read_index(path: str, mtime_ns: int) -> tuple[dict[str, Any], ...]:
-    try:
-        document = json.loads(read_table_text(path))  # the same size and nesting bounds as a table file
-    except json.JSONDecodeError as exc:
-        raise FewBitError(f"table index {path!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
-        raise FewBitError(f"table index {path!r}: field 'format' must be {INDEX_FORMAT!r}")
-    entries = document.get("tables")
-    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
-        raise FewBitError(f"table index {path!r}: field 'tables' must be a list of objects")
-    for number, entry in enumerate(entries):
-        for key in ("file", "activation", "bits", "mode", "weight"):
-            if key not in entry:
-                raise FewBitError(f"table index {path!r}: entry {number} has no field {key!r}")
-    return tuple(entries)
+    # the same size and nesting bounds and strict JSON as a table file; the index schema shared with the design side
+    where = f"table index {path!r}"
+    return tuple(check_index(parse_json(read_table_text(path), where), where))
 
 
 def _not_shipped(bound: activations.BoundActivation, bits: int, weight: str, mode: str, reason: str) -> FewBitError:
