@@ -104,10 +104,12 @@ def _report(problems: list[str], command: str) -> None:
 
 
 def weight_kwargs(weight: str, loc, scale, df, samples, design_range) -> dict[str, Any]:
+    from ..design.weights import check_design_range
     from ..errors import check_choice
 
     weight = check_choice("--weight", weight, WEIGHT_KINDS)
-    kwargs: dict[str, Any] = {"weight": weight, "low": design_range[0], "high": design_range[1]}
+    low, high = check_design_range(*design_range, name="--range")
+    kwargs: dict[str, Any] = {"weight": weight, "low": low, "high": high}
     for name, value in (("loc", loc), ("scale", scale), ("df", df), ("samples", samples)):
         if value is not None:
             kwargs[name] = value
