@@ -899,6 +899,11 @@ def from_module(spec: str, params: Mapping[str, object] | None = None) -> BoundA
     otherwise a float64 numpy array, and f' is a 6th-order central finite difference (step eps**(1/7) * max(1, |x|)).
     ``params`` (JSON scalars) are passed to ``fn`` as keyword arguments and recorded in the table.
     The result's name is ``spec``; it has no breakpoints, is not marked even and has no torch module.
+
+    f must be continuous with a bounded derivative on the design range: a jump (a step, ``sign``, ``round``) or an
+    unbounded f' (``sqrt(|x|)`` at 0) is refused when the design starts (:meth:`_UserFunction.check_range`). A kink
+    is fine, but finite differences smear it over about 3 steps (6e-3 max(1, |x|)) on either side; with torch,
+    autograd gives the exact piecewise-constant derivative (``abs`` designs exactly with 1 bit).
     """
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise FewBitError(f"--activation-module must look like 'package.module:function', got {spec!r}")
