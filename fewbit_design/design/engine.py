@@ -112,7 +112,7 @@ def table_error(problem: Problem, boundaries: np.ndarray, codes: np.ndarray, lev
     # The level of each piece between edges: the interval holding its middle.
     middle = (edges[:-1] + edges[1:]) / 2.0
     piece_levels = levels[codes[np.searchsorted(boundaries, middle, side="right")]]
-    starts, ends, owner = graded(*split_at(edges[:-1], edges[1:], problem.split_points))
+    starts, ends, owner = _graded_pieces(edges, problem.split_points)
     y = piece_levels[owner]
     values = integrate(lambda x, k: problem.error_density(x, y[k][:, None])[None], starts, ends)
     return float(values.sum())
@@ -177,9 +177,19 @@ def signal_power(problem: Problem, boundaries: np.ndarray = ()) -> float:
     inside = np.abs(np.asarray(boundaries, dtype=np.float64)) if problem.symmetric else np.asarray(boundaries, float)
     inside = np.unique(inside[(inside > problem.low) & (inside < problem.high)])
     edges = np.concatenate([[problem.low], inside, [problem.high]])
-    starts, ends, _ = graded(*split_at(edges[:-1], edges[1:], problem.split_points))
+    starts, ends, _ = _graded_pieces(edges, problem.split_points)
     values = integrate(lambda x, k: problem.densities(x)[2:], starts, ends)
     return float(values.sum())
+
+
+def _graded_pieces(edges: np.ndarray, split_points: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The intervals between ``edges`` (a table's boundaries and the range's ends), graded toward their ends
+    (:func:`~fewbit_design.design.integrals.graded`), then split at ``split_points``: (starts, ends, interval of each
+    piece). Grading goes where q jumps; the split points (breakpoints of f', the nodes of an empirical weight) only
+    split, or an empirical weight's 8193 nodes would each be graded."""
+    starts, ends, owner = graded(edges[:-1], edges[1:], np.arange(edges.size - 1))
+    starts, ends, piece = split_at(starts, ends, split_points)
+    return starts, ends, owner[piece]
 
 
 def _point_density(problem: Problem, spacing: str) -> Callable | None:
