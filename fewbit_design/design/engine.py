@@ -120,7 +120,7 @@ def table_error(problem: Problem, boundaries: np.ndarray, codes: np.ndarray, lev
 
 def describe(bound: registry.BoundActivation) -> str:
     """``leaky_relu(negative_slope=0.2)``: the activation with its parameters, for messages."""
-    params = ", ".join(f"{key}={value!r}" if isinstance(value, str) else f"{key}={value:g}"
+    params = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value!r}"
                        for key, value in bound.params.items())  # fmt: skip
     return f"{bound.name}({params})" if params else bound.name
 
