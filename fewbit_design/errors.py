@@ -93,6 +93,8 @@ def check_range(low: object, high: object, name: str = "range") -> tuple[float, 
     b = check_finite(f"{name} end", high)
     if not a < b:
         raise FewBitError(f"{name} must satisfy A < B, got A={a:g}, B={b:g}")
+    if not math.isfinite(b - a):
+        raise FewBitError(f"{name} must have a finite width B - A (within +-1.8e308), got A={a:g}, B={b:g}")
     return a, b
 
 

@@ -27,18 +27,21 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
-def save_figure(figure: Any, path: str | os.PathLike, *, force: bool = True) -> Path:
-    """Render ``figure`` to PNG in memory, then write it atomically."""
+def save_figure(figure: Any, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Render ``figure`` to PNG in memory, then write it with :func:`~fewbit_design.table.write_bytes_atomic`
+    (an existing file is replaced only with ``force``)."""
     buffer = io.BytesIO()
     figure.savefig(buffer, format="png", bbox_inches="tight")
     return write_bytes_atomic(path, buffer.getvalue(), force=force)
 
 
-def plot_table(table: Table, bound_activation: Any, weight: Any, path: str | os.PathLike) -> Path:
+def plot_table(
+    table: Table, bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
+) -> Path:
     """A PNG of f'(x), the table's step function q(x) and the weight w(x) over the design range.
 
     ``bound_activation`` provides ``df`` (the exact derivative), ``weight`` is callable with ``low``/``high``.
-    The path is overwritten if it exists (callers check it with ``check_writable`` first).
+    An existing file at ``path`` is replaced only with ``force``.
     """
     low, high = float(weight.low), float(weight.high)
     x = np.linspace(low, high, 4001)
@@ -70,7 +73,7 @@ def plot_table(table: Table, bound_activation: Any, weight: Any, path: str | os.
     axes.set_title(f"{table.activation}: {table.bits}-bit {table.mode}{symmetric}, error L = {table.error:.4g}{snr}")
     axes.set_zorder(weight_axes.get_zorder() + 1)
     axes.patch.set_visible(False)
-    return save_figure(figure, path)
+    return save_figure(figure, path, force=force)
 
 
 def _view_range(tables: list[Table], weight: Any) -> tuple[float, float]:
@@ -96,7 +99,9 @@ def _weight_label(weight: Any) -> str:
     return f"{name} on [{d['low']:g}, {d['high']:g}]"
 
 
-def plot_bits_grid(tables: list[Table], bound_activation: Any, weight: Any, path: str | os.PathLike) -> Path:
+def plot_bits_grid(
+    tables: list[Table], bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
+) -> Path:
     """One panel per table (bit width): f'(x), the step function q(x) and the weight shaded; the error in each
     panel's title (like the paper's Figure 8 grid). Written atomically to ``path``."""
     count = len(tables)
@@ -137,10 +142,10 @@ def plot_bits_grid(tables: list[Table], bound_activation: Any, weight: Any, path
         axes.legend(handles + more_handles, labels + more_labels, fontsize=7, loc="best")
     figure.suptitle(f"{_activation_label(bound_activation)}: few-bit derivative, weight {_weight_label(weight)}")
     figure.tight_layout()
-    return save_figure(figure, path)
+    return save_figure(figure, path, force=force)
 
 
-def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: str = "") -> Path:
+def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: str = "", force: bool = False) -> Path:
     """Error (log scale) and SNR (dB) against bits, one line per activation, the two modes side by side.
 
     ``rows`` are dicts with activation, mode, bits, error and snr_db. Exact tables (error 0) are left off the
@@ -168,4 +173,4 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: s
     grid[0, 0].legend(fontsize=8, ncol=2)
     figure.suptitle("Few-bit derivative approximations: error and SNR against bits" + (f"\n{title}" if title else ""))
     figure.tight_layout()
-    return save_figure(figure, path)
+    return save_figure(figure, path, force=force)

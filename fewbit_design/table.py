@@ -10,10 +10,12 @@ This module needs only numpy and the standard library: the runtime loads tables 
 
 from __future__ import annotations
 
+import errno
 import json
 import math
 import os
 import re
+import stat
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -36,6 +38,13 @@ __all__ = [
     "check_numbers",
     "MAX_TABLE_BYTES",
     "MAX_NESTING",
+    "parse_json",
+    "check_index",
+    "INDEX_FORMAT",
+    "check_writable",
+    "check_outputs",
+    "write_bytes_atomic",
+    "write_text_atomic",
 ]
 
 FORMAT = "fewbit-table/1"
@@ -60,6 +69,7 @@ def _format_values(values: np.ndarray, exact: Any) -> list[float]:
     Exact values are kinks and their float neighbours (a boundary at nextafter(-1, +inf) must not round to -1) and
     constant derivatives (1/6), so that the runtime reproduces torch's derivative bitwise there.
     """
+    exact = exact if isinstance(exact, list | tuple) else ()
     keep = {int(i) for i in exact if isinstance(i, int) and not isinstance(i, bool)}
     return [float(v) if i in keep else format_float(v) for i, v in enumerate(values)]
 
@@ -140,7 +150,7 @@ class Table:
             "boundaries": _format_values(self.boundaries, exact.get("boundaries", ())),
             "codes": [int(c) for c in self.codes],
             "levels": _format_values(self.levels, exact.get("levels", ())),
-            "error": format_float(self.error),
+            "error": None if math.isnan(self.error) else format_float(self.error),
             "snr_db": None if self.snr_db is None else format_float(self.snr_db),
             "design": dict(self.design),
         }
@@ -167,7 +177,7 @@ class Table:
             "mode": data["mode"],
             "symmetric": data.get("symmetric", False),
             "weight": data.get("weight", {}),
-            "error": data.get("error", float("nan")),
+            "error": float("nan") if data.get("error") is None else data["error"],
             "snr_db": data.get("snr_db"),
             "design": data.get("design", {}),
             "source": source,
@@ -197,6 +207,11 @@ def _validate(table: Table, source: str | None) -> None:
         raise _fail(source, "activation", f"must be a non-empty string, got {table.activation!r}")
     if not isinstance(table.params, dict):
         raise _fail(source, "params", f"must be an object, got {table.params!r}")
+    for key, value in table.params.items():
+        if not (value is None or isinstance(value, str | bool | int | float | np.integer | np.floating)) or (
+            isinstance(value, float | np.floating) and not math.isfinite(value)
+        ):
+            raise _fail(source, "params", f"must map names to numbers, strings or booleans, got {key}={value!r}")
     bits = table.bits
     if isinstance(bits, bool) or not isinstance(bits, int | np.integer) or not 1 <= bits <= 8:
         raise _fail(source, "bits", f"must be an integer from 1 to 8, got {bits!r}")
@@ -222,27 +237,97 @@ def _validate(table: Table, source: str | None) -> None:
         bad = int(c[(c < 0) | (c >= y.size)][0])
         raise _fail(source, "codes", f"must be in [0, {y.size}) (one level per code), got {bad}")
     error = table.error
-    if not isinstance(error, int | float | np.floating) or not (math.isnan(error) or error >= 0):
-        raise _fail(source, "error", f"must be a number >= 0, got {error!r}")
+    if (
+        isinstance(error, bool)
+        or not isinstance(error, int | float | np.floating)
+        or not (math.isnan(error) or 0 <= error < math.inf)
+    ):
+        raise _fail(source, "error", f"must be a finite number >= 0 or null, got {error!r}")
     snr = table.snr_db
-    if snr is not None and (not isinstance(snr, int | float | np.floating) or not math.isfinite(snr)):
+    if snr is not None and (
+        isinstance(snr, bool) or not isinstance(snr, int | float | np.floating) or not math.isfinite(snr)
+    ):
         raise _fail(source, "snr_db", f"must be a finite number or null, got {snr!r}")
     if not isinstance(table.design, dict):
         raise _fail(source, "design", f"must be an object, got {table.design!r}")
 
 
-def loads(text: str, source: str | None = None) -> Table:
-    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval), within :data:`MAX_NESTING`."""
+def _no_constant(name: str) -> Any:
+    raise FewBitError(f"{name} is not a JSON number (tables hold finite numbers only)")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise FewBitError(f"the number {text[:20]}{'...' if len(text) > 20 else ''} is beyond the float64 range")
+    return value
+
+
+def parse_json(text: str, where: str) -> Any:
+    """Parse JSON text strictly, every failure one :class:`FewBitError` starting with ``where`` (``table 'a.json'``).
+
+    Strict: ``NaN`` and ``Infinity`` (which Python's json accepts) and numbers beyond float64 are errors, and an
+    integer literal beyond Python's 4300-digit limit is an error instead of a ValueError from the decoder.
+    """
     depth = _nesting_depth(text)
     if depth > MAX_NESTING:
-        raise FewBitError(
-            f"table {source!r}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING} "
-            "(a table nests 3 deep): not a table"
-        )
+        raise FewBitError(f"{where}: JSON nesting depth {depth} exceeds the limit of {MAX_NESTING}: not a table file")
     try:
-        data = json.loads(text)
+        return json.loads(text, parse_constant=_no_constant, parse_float=_finite_float)
+    except FewBitError as exc:
+        raise FewBitError(f"{where}: not valid: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise FewBitError(f"table {source!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        raise FewBitError(f"{where}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
+    except (ValueError, RecursionError) as exc:  # an integer literal of more than 4300 digits, and the like
+        message = str(exc).split(";")[0]
+        raise FewBitError(f"{where}: not valid JSON ({message})") from None
+
+
+INDEX_FORMAT = "fewbit-index/1"
+_INDEX_TYPES = {
+    "file": (str,),
+    "activation": (str,),
+    "weight": (str,),
+    "mode": (str,),
+    "bits": (int,),
+    "params": (dict, type(None)),
+    "symmetric": (bool,),
+    "error": (int, float, type(None)),
+}
+
+
+def check_index(document: Any, where: str) -> list[dict[str, Any]]:
+    """The entries of a ``fewbit-index/1`` document (the index of a tables folder), each checked: an object with a
+    non-empty ``file``, the ``activation``, ``bits``, ``mode`` and ``weight`` it holds, and optional ``params`` (an
+    object of numbers, strings and booleans), ``symmetric`` and ``error``. Every failure is one :class:`FewBitError`
+    starting with ``where`` and naming the entry and field."""
+    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
+        raise FewBitError(f"{where}: field 'format' must be {INDEX_FORMAT!r}")
+    entries = document.get("tables")
+    if not isinstance(entries, list):
+        raise FewBitError(f"{where}: field 'tables' must be a list of objects")
+    for number, entry in enumerate(entries):
+        if not isinstance(entry, dict):
+            raise FewBitError(f"{where}: entry {number} must be an object, got {type(entry).__name__}")
+        for key, types in _INDEX_TYPES.items():
+            if key not in entry:
+                if key in ("file", "activation", "bits", "mode", "weight"):
+                    raise FewBitError(f"{where}: entry {number} has no field {key!r}")
+                continue
+            value = entry[key]
+            if not isinstance(value, types) or (isinstance(value, bool) and bool not in types) or value == "":
+                raise FewBitError(f"{where}: entry {number} field {key!r} has the wrong type: {value!r}")
+        params = entry.get("params") or {}
+        for key, value in params.items():
+            if not (value is None or isinstance(value, str | bool | int | float)):
+                raise FewBitError(f"{where}: entry {number} field 'params' must map names to numbers, strings or "
+                                  f"booleans, got {key}={value!r}")  # fmt: skip
+    return entries
+
+
+def loads(text: str, source: str | None = None) -> Table:
+    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval) with :func:`parse_json`."""
+    data = parse_json(text, f"table {source!r}")
     check_numbers(data, source)
     return Table.from_dict(data, source=source)
 
@@ -345,16 +430,91 @@ def check_numbers(data: Any, source: str) -> None:
                     ) from None
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Output files. Every file the project writes (tables, figures, CSV, plans from the CLI) goes through
+# write_bytes_atomic; a command checks all its outputs up front with check_outputs.
+#
+# * A symbolic link is written through: the file it points to is replaced (or created, for a dangling link), the
+#   link stays. The same as a shell's `>`.
+# * An existing FIFO or character device (/dev/null, /dev/stdout) is written through in place, never replaced, and
+#   needs no --force (like a shell's `set -o noclobber`); with no reader on a FIFO the write fails at once instead of
+#   blocking. Block devices, sockets and directories are refused.
+# * A regular file is written to a temporary file beside the target, then renamed over it: a reader sees the old file
+#   or the new one, never a partial file, and an interrupted write leaves neither the target changed nor a temporary
+#   file behind. Without force, the rename is a hard link of the temporary file, which fails if the target exists: of
+#   two concurrent writers exactly one succeeds, the other gets the "exists" error.
+
+
+def _fail_output(path: str | os.PathLike, message: str) -> FewBitError:
+    return FewBitError(f"output file {os.fspath(path)!r} {message}")
+
+
+def _exists(path: str | os.PathLike) -> FewBitError:
+    return _fail_output(path, "exists; pass --force (force=True) to overwrite it")
+
+
+def _target(path: str | os.PathLike) -> Path:
+    """The file a write to ``path`` changes: every symbolic link followed (a dangling link: the file it names)."""
+    return Path(os.path.realpath(os.fspath(path)))
+
+
+def _kind(mode: int) -> str | None:
+    """What a non-regular file is, for messages (None for a regular file)."""
+    for test, name in (
+        (stat.S_ISDIR, "a directory"),
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+        (stat.S_ISSOCK, "a socket"),
+    ):
+        if test(mode):
+            return name
+    return None if stat.S_ISREG(mode) else "not a regular file"
+
+
+def _name_max(folder: Path) -> int:
+    try:
+        return int(os.pathconf(folder, "PC_NAME_MAX"))
+    except (OSError, ValueError, AttributeError):  # pragma: no cover - platforms without pathconf
+        return 255
+
+
 def check_writable(path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Check, before any work, that ``path`` can be written (and is new unless ``force``)."""
-    path = Path(path)
-    if path.is_dir():
-        raise FewBitError(f"output path {str(path)!r} is a directory; give a file name")
-    if path.exists() and not force:
-        raise FewBitError(f"output file {str(path)!r} exists; pass --force (force=True) to overwrite it")
-    parent = path.parent if str(path.parent) else Path(".")
+    """Check, before any work, that ``path`` can be written (and is new unless ``force``); returns ``Path(path)``.
+
+    The rules are in the "Output files" comment of this module: links are followed, FIFOs and character devices are
+    written in place, directories, block devices and sockets are refused.
+    """
+    if not os.fspath(path):
+        raise FewBitError("output file name is empty")
+    if "\0" in os.fsdecode(path):
+        raise _fail_output(path, "has a NUL character in its name")
+    given = Path(path)
+    target = _target(path)
+    name_bytes = len(os.fsencode(target.name))
+    if target.parent.is_dir() and name_bytes > _name_max(target.parent):
+        raise _fail_output(path, f"has a name of {name_bytes} bytes; the file system allows {_name_max(target.parent)}")
+    try:
+        info = os.stat(target)
+    except FileNotFoundError:
+        info = None
+    except OSError as exc:
+        raise _fail_output(path, f"cannot be checked: {exc.strerror or exc}") from None
+    if info is not None:
+        kind = _kind(info.st_mode)
+        if kind == "a directory":
+            raise FewBitError(f"output path {os.fspath(path)!r} is a directory; give a file name")
+        if kind in ("a FIFO", "a character device"):
+            if not os.access(target, os.W_OK):
+                raise _fail_output(path, f"is {kind} that is not writable")
+            return given  # written in place (write_bytes_atomic), never replaced
+        if kind is not None:
+            raise _fail_output(path, f"is {kind}; refusing to write a file onto it")
+        if not force:
+            raise _exists(path)
+    parent = target.parent
     if not parent.is_dir():
-        raise FewBitError(f"output directory {str(parent)!r} does not exist")
+        raise FewBitError(f"output directory {str(given.parent)!r} does not exist")
     if not os.access(parent, os.W_OK):
         raise FewBitError(f"output directory {str(parent)!r} is not writable")
     try:  # os.access says yes to root everywhere; a real probe also catches read-only and special filesystems
@@ -362,15 +522,81 @@ def check_writable(path: str | os.PathLike, *, force: bool = False) -> Path:
             pass
     except OSError as exc:
         raise FewBitError(f"output directory {str(parent)!r} is not writable ({exc.strerror})") from None
-    return path
+    return given
+
+
+def check_outputs(outputs: dict[str, str | os.PathLike | None], *, force: bool = False) -> dict[str, Path | None]:
+    """Check every output of one command (option name -> path or None) with :func:`check_writable`, and that no two
+    name the same file: compared after following links (and by inode for existing files, so hard links count).
+    Character devices (``/dev/null``) may repeat. Returns option name -> ``Path`` (None where not given).
+
+    >>> check_outputs({"--out": "a.png", "--csv": "./a.png"})
+    Traceback (most recent call last):
+    ...
+    fewbit_design.errors.FewBitError: --out and --csv name the same file 'a.png'; give different files
+    """
+    checked: dict[str, Path | None] = {}
+    seen: dict[Any, str] = {}
+    for option, path in outputs.items():
+        if path is None:
+            checked[option] = None
+            continue
+        checked[option] = check_writable(path, force=force)
+        target = _target(path)
+        try:
+            info = os.stat(target)
+        except OSError:
+            info = None
+        if info is not None and stat.S_ISCHR(info.st_mode):
+            continue
+        keys = [("path", str(target))] + ([("inode", info.st_dev, info.st_ino)] if info is not None else [])
+        for key in keys:
+            if key in seen:
+                raise FewBitError(
+                    f"{seen[key]} and {option} name the same file {os.fspath(path)!r}; give different files"
+                )
+        for key in keys:
+            seen[key] = option
+    return checked
+
+
+def _write_in_place(target: Path, path: str | os.PathLike, data: bytes) -> None:
+    """Write ``data`` into an existing FIFO or character device without replacing it (no temporary file)."""
+    try:
+        fd = os.open(target, os.O_WRONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as exc:
+        if exc.errno == errno.ENXIO:
+            raise _fail_output(path, "is a FIFO with no reader") from None
+        raise _fail_output(path, f"cannot be opened: {exc.strerror or exc}") from None
+    try:
+        os.set_blocking(fd, True)
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+    except OSError as exc:
+        raise _fail_output(path, f"cannot be written: {exc.strerror or exc}") from None
+    finally:
+        os.close(fd)
 
 
 def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, force: bool = False) -> Path:
-    """Write ``data`` to ``path`` through a temporary file and a rename: never a partial file."""
-    path = check_writable(path, force=force)
-    parent = path.parent if str(path.parent) else Path(".")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=parent)
+    """Write ``data`` to ``path``: never a partial file, never an existing file replaced without ``force``.
+
+    The rules are in the "Output files" comment of this module. Returns ``Path(path)``.
+    """
+    given = check_writable(path, force=force)
+    target = _target(path)
     try:
+        info = os.stat(target)
+    except OSError:
+        info = None
+    if info is not None and (stat.S_ISFIFO(info.st_mode) or stat.S_ISCHR(info.st_mode)):
+        _write_in_place(target, path, data)
+        return given
+    parent = target.parent
+    tmp = None
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{target.name[:24]}.", suffix=".tmp", dir=parent)
         # mkstemp creates the file readable by its owner only; give it the permissions a plain open() would
         umask = os.umask(0)
         os.umask(umask)
@@ -379,15 +605,42 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes, *, force: bool = Fa
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException as exc:
-        if os.path.exists(tmp):
+        if force:
+            os.replace(tmp, target)
+            tmp = None
+        else:
+            _link_new(tmp, target, path)
+    except FileExistsError:
+        raise _exists(path) from None
+    except OSError as exc:
+        raise FewBitError(f"cannot write {os.fspath(path)!r}: {exc.strerror or exc}") from None
+    finally:
+        if tmp is not None and os.path.lexists(tmp):
             os.unlink(tmp)
-        if isinstance(exc, OSError):
-            raise FewBitError(f"cannot write {str(path)!r}: {exc.strerror or exc}") from None
+    return given
+
+
+def _link_new(tmp: str, target: Path, path: str | os.PathLike) -> None:
+    """Give the finished temporary file the name ``target`` unless that exists (atomically: a hard link, which fails
+    with FileExistsError if the name exists). The caller removes ``tmp``."""
+    try:
+        os.link(tmp, target)
+        return
+    except FileExistsError:
         raise
-    return path
+    except OSError as exc:
+        if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EMLINK, errno.ENOSYS):
+            raise
+    # A file system without hard links: claim the name with an exclusive create, then rename over the claim.
+    claim = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.close(claim)
+    try:
+        os.replace(tmp, target)
+    except BaseException:
+        os.unlink(target)
+        raise
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, force: bool = False) -> Path:
+    """:func:`write_bytes_atomic` of ``text`` in UTF-8."""
     return write_bytes_atomic(path, text.encode("utf-8"), force=force)

@@ -12,9 +12,14 @@ below it (the design math, tables, plots, and the runtime lazily, inside a comma
 
 from __future__ import annotations
 
+import _thread
+import contextlib
 import re
+import signal
 import sys
+import time
 from collections.abc import Sequence
+from typing import Any
 
 import click
 
@@ -43,10 +48,13 @@ def for_shell(message: str) -> str:
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2."""
     try:
-        cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
+        with _interrupts_kept():
+            cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
-    except click.Abort:
+    except click.Abort as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # click turns Ctrl-C into Abort: exit as interrupted
+            _interrupted()
         click.echo(f"{PROG}: aborted", err=True)
         sys.exit(1)
     except click.exceptions.NoArgsIsHelpError as exc:  # bare `fewbit-design`: a short help, not a one-line error
@@ -57,6 +65,40 @@ def main(argv: Sequence[str] | None = None) -> None:
     except FewBitError as exc:
         _fail(for_shell(str(exc)))
     except KeyboardInterrupt:
-        click.echo(f"{PROG}: interrupted", err=True)
-        sys.exit(130)
+        _interrupted()
     sys.exit(0)
+
+
+@contextlib.contextmanager
+def _interrupts_kept():
+    """Keep a Ctrl-C that Python would swallow. Its KeyboardInterrupt is raised wherever the main thread runs Python
+    code next, which may be a finalizer (``__del__``, a weakref callback); there it is "ignored" and the command ran
+    on. While the command runs, such a KeyboardInterrupt is delivered to the main thread again, until it lands in
+    ordinary code and stops the command."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            # From another thread, a moment later: raised here, in the hook, it would be swallowed again.
+            _thread.start_new_thread(_interrupt_main_soon, ())
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.02)
+    _thread.interrupt_main()
+
+
+def _interrupted() -> None:
+    """Ctrl-C: one line and exit status 130. Clean-up has run on the way here (temporary files, worker processes);
+    a further Ctrl-C while exiting is ignored rather than printed as a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo(f"{PROG}: interrupted", err=True)
+    sys.exit(130)

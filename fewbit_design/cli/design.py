@@ -5,13 +5,13 @@ from __future__ import annotations
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
-from ..errors import FewBitError, check_bits, check_choice, check_range
+from ..design.weights import check_design_range
+from ..errors import FewBitError, check_bits, check_choice
 from ._options import WEIGHT_KINDS, ActivationCommand, cli, fold_option, weight_options
 
 MODES = ("levelsets", "intervals")
@@ -88,10 +88,20 @@ def format_summary(table: Any, seconds: float) -> str:
     lines.append(f"error L = {table.error:.6g}")
     if "grid_error" in design:
         lines.append(f"grid error (DP on {design.get('grid')} grid points) = {design['grid_error']:.6g}")
-    lines.append("SNR = " + ("inf (exact)" if table.snr_db is None else f"{table.snr_db:.2f} dB"))
+    lines.append(f"SNR = {snr_text(table)}")
     refined = "refined" if design.get("refined") else "not refined"
     lines.append(f"time: {seconds:.2f} s ({refined}, {design.get('iterations', 0)} iterations)")
     return "\n".join(lines)
+
+
+def snr_text(table: Any) -> str:
+    """The SNR as the summary prints it. A table with error 0 is exact (q = f' wherever w > 0); when f' is 0 there
+    as well, the SNR 0/0 is undefined and the table of zeros is still exact."""
+    if table.snr_db is not None:
+        return f"{table.snr_db:.2f} dB"
+    if not np.any(table.levels):
+        return "undefined (f' = 0 wherever w > 0; the table of zeros is exact)"
+    return "inf (exact: q = f' wherever w > 0)"
 
 
 @cli.command("design", cls=ActivationCommand, hidden=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -143,26 +153,21 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     """
     from ..design import design
     from ..design.weights import make_weight
-    from ..table import check_writable
+    from ..table import check_outputs
 
     # Every input is checked before any work.
     bits = check_bits(bits, name="--bits")
     mode = check_choice("--mode", mode, MODES)
     if symmetric and mode != "intervals":
         raise FewBitError("--symmetric applies only to --mode intervals (it quantizes |x|)")
-    low, high = check_range(*design_range, name="--range")
+    low, high = check_design_range(*design_range, name="--range")
     weight_kind = check_choice("--weight", weight, WEIGHT_KINDS)
     spacing = check_choice("--spacing", spacing, SPACINGS)
     if grid is not None and not 2**bits + 1 <= grid:
         raise FewBitError(f"--grid must be at least 2**bits + 1 = {2**bits + 1}, got {grid}")
     bound = _bound_activation(activation, module, params)
     w = make_weight(weight_kind, low=low, high=high, loc=loc, scale=scale, df=df, samples=samples)
-    if out is not None:
-        check_writable(out, force=force)
-    if plot is not None:
-        check_writable(plot, force=force)
-        if out is not None and Path(out).resolve() == Path(plot).resolve():
-            raise FewBitError(f"--out and --plot must be different files, got {out!r} twice")
+    check_outputs({"--out": out, "--plot": plot}, force=force)
     start = time.perf_counter()
     table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
                    refine=not no_refine, progress=_progress)  # fmt: skip
@@ -172,7 +177,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     if plot is not None:
         from ..plots import plot_table
 
-        plot_table(table, bound, w, plot)
+        plot_table(table, bound, w, plot, force=force)
     if as_json:
         click.echo(table.to_json(), nl=False)
         return

@@ -12,6 +12,7 @@ The figure is drawn here (:func:`plot_plan`), not in the runtime, which never im
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import sys
 from typing import Any
@@ -19,16 +20,20 @@ from typing import Any
 import click
 
 from ..errors import FewBitError, parse_budget
-from ..table import check_writable, write_bytes_atomic, write_text_atomic
+from ..table import check_outputs, write_bytes_atomic, write_text_atomic
 from ._options import cli
 
-__all__ = ["memory", "plot_plan", "load_factory", "parse_shape"]
+__all__ = ["memory", "plot_plan", "load_factory", "parse_shape", "example_inputs", "check_model_runs"]
 
 TECHNIQUES = ("fewbit", "blpa", "checkpoint", "offload")
 
 
+#: Largest size of a tensor dimension and of a whole example input, in elements (torch counts them in int64).
+MAX_ELEMENTS = 2**62
+
+
 def parse_shape(text: str) -> tuple[int, ...]:
-    """``"8,3,224,224"`` -> ``(8, 3, 224, 224)``; every size a positive integer."""
+    """``"8,3,224,224"`` -> ``(8, 3, 224, 224)``; every size a positive integer, the product within int64."""
     parts = [p.strip() for p in str(text).replace("x", ",").split(",")]
     try:
         shape = tuple(int(p) for p in parts)
@@ -38,7 +43,70 @@ def parse_shape(text: str) -> tuple[int, ...]:
         raise FewBitError(
             f"--input-shape must be positive integers separated by commas, like 8,3,224,224; got {text!r}"
         )
+    if math.prod(shape) > MAX_ELEMENTS:
+        raise FewBitError(
+            f"--input-shape {text!r} has more than 2**62 elements (torch's limit); got {math.prod(shape):.3g}"
+        )
     return shape
+
+
+def _memory_bytes() -> int | None:
+    """This machine's physical memory in bytes (None where unknown)."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
+        return None
+
+
+def example_inputs(shapes: list[tuple[int, ...]], vocab: int | None) -> list[Any]:
+    """Random example inputs: normal floats, or token ids in [0, vocab). Inputs larger than this machine's memory
+    are refused before they are allocated, and a failed allocation is one clear error."""
+    import torch
+
+    element = 8 if vocab is not None else 4  # int64 token ids, float32 values
+    needed = sum(math.prod(shape) for shape in shapes) * element
+    available = _memory_bytes()
+    what = ", ".join("x".join(map(str, shape)) for shape in shapes)
+    if available is not None and needed > available:
+        raise FewBitError(
+            f"the example inputs ({what}, {'int64' if vocab is not None else 'float32'}) alone take "
+            f"{needed / 2**30:.3g} GiB, more than this machine's {available / 2**30:.3g} GiB: give a smaller "
+            "--input-shape"
+        )
+    generator = torch.Generator().manual_seed(0)
+    try:
+        if vocab is not None:
+            return [torch.randint(0, vocab, shape, generator=generator) for shape in shapes]
+        return [torch.randn(shape, generator=generator) for shape in shapes]
+    except (RuntimeError, MemoryError) as error:
+        raise FewBitError(f"cannot allocate the example inputs ({what}): {_first_line(error)}") from None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0] if text else ''}"
+
+
+def check_model_runs(model: Any, inputs: list[Any], spec: str, vocab: int | None) -> None:
+    """One forward pass without gradients before any planning: a model that cannot take the example inputs (a shape
+    it does not accept, token ids beyond its embedding) is one line naming the inputs, not a traceback from the
+    middle of the profiler."""
+    import torch
+
+    shapes = ", ".join("x".join(map(str, tensor.shape)) for tensor in inputs)
+    try:
+        with torch.no_grad():
+            model(*inputs)
+    except (Exception, SystemExit) as error:
+        hint = ""
+        if vocab is not None:
+            rows = sorted({m.num_embeddings for m in model.modules() if isinstance(m, torch.nn.Embedding)})
+            if rows and vocab > rows[-1]:
+                hint = f"; --vocab {vocab} is beyond the model's embedding of {rows[-1]} rows"
+        inputs_text = f"token ids below {vocab}" if vocab is not None else "random floats"
+        raise FewBitError(
+            f"model {spec!r} cannot run on the example inputs ({shapes}, {inputs_text}): {_first_line(error)}{hint}"
+        ) from None
 
 
 def load_factory(spec: str) -> Any:
@@ -53,6 +121,8 @@ def load_factory(spec: str) -> Any:
         module = importlib.import_module(module_name)
     except ImportError as error:
         raise FewBitError(f"cannot import model factory module {module_name!r}: {error}") from None
+    except (Exception, SystemExit) as error:  # the user's module: one line naming what failed
+        raise FewBitError(f"importing model factory module {module_name!r} failed: {_raised(error)}") from None
     function = getattr(module, function_name, None)
     if not callable(function):
         raise FewBitError(f"module {module_name!r} has no callable {function_name!r} (the model factory)")
@@ -64,11 +134,18 @@ def _build(factory: Any, spec: str) -> Any:
 
     try:
         model = factory()
-    except Exception as error:  # the user's code: one line naming what failed
-        raise FewBitError(f"model factory {spec!r} raised {type(error).__name__}: {error}") from None
+    except (Exception, SystemExit) as error:  # the user's code: one line naming what failed
+        raise FewBitError(f"model factory {spec!r} {_raised(error)}") from None
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"model factory {spec!r} must return a torch.nn.Module, got {type(model).__name__}")
     return model.train()
+
+
+def _raised(error: BaseException) -> str:
+    """What the user's code did, for a message: ``raised RuntimeError: ...`` or ``called sys.exit(3)``."""
+    if isinstance(error, SystemExit):
+        return f"called sys.exit({error.code!r}) instead of returning a model"
+    return f"raised {_first_line(error)}"
 
 
 def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
@@ -160,30 +237,31 @@ def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measur
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
     budget_value = None if budget is None else parse_budget(budget, name="--budget")  # the planner's own syntax
-    for path in (plot_path, save_path):
-        if path is not None:
-            check_writable(path, force=force)
     if plot_path is not None and os.path.splitext(plot_path)[1].lower() not in (".png", ".pdf", ".svg"):
         raise FewBitError(f"--plot must end in .png, .pdf or .svg, got {plot_path!r}")
-    if vocab is not None and vocab < 1:
-        raise FewBitError(f"--vocab must be a positive integer, got {vocab}")
+    check_outputs({"--save": save_path, "--plot": plot_path}, force=force)
+    if vocab is not None and not 1 <= vocab <= 2**63 - 1:
+        raise FewBitError(f"--vocab must be a positive integer below 2**63 (int64 token ids), got {vocab}")
     function = load_factory(factory)
-    import torch
-
     from ..runtime import planner
 
     model = _build(function, factory)
-    generator = torch.Generator().manual_seed(0)
-    if vocab is not None:
-        inputs = [torch.randint(0, vocab, shape, generator=generator) for shape in input_shapes]
-    else:
-        inputs = [torch.randn(shape, generator=generator) for shape in input_shapes]
-    plan = planner.plan_memory(
-        model, *inputs, budget=budget_value, allow=allowed, bits=bits, objective=objective, chain=chain
-    )
-    if measure:
-        fresh = plan.apply(_build(function, factory))
-        plan.measure(fresh, *inputs)
+    inputs = example_inputs(input_shapes, vocab)
+    check_model_runs(model, inputs, factory, vocab)
+    try:
+        plan = planner.plan_memory(
+            model, *inputs, budget=budget_value, allow=allowed, bits=bits, objective=objective, chain=chain
+        )
+        if measure:
+            fresh = plan.apply(_build(function, factory))
+            plan.measure(fresh, *inputs)
+    except (RuntimeError, MemoryError) as error:
+        if isinstance(error, RuntimeError) and "allocate" not in str(error):
+            raise
+        raise FewBitError(
+            f"out of memory planning {factory!r} on the example inputs: {_first_line(error)}; "
+            "give a smaller --input-shape"
+        ) from None
     click.echo(plan.report())
     if save_path is not None:
         write_text_atomic(save_path, plan.to_json(), force=force)

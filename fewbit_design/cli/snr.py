@@ -18,6 +18,7 @@ from __future__ import annotations
 import csv
 import io
 import sys
+from pathlib import Path
 from typing import Any
 
 import click
@@ -25,7 +26,7 @@ import numpy as np
 
 from ..design import snr as theory
 from ..errors import FewBitError, check_choice, check_positive, parse_int_spec
-from ..table import check_writable, write_bytes_atomic, write_text_atomic
+from ..table import check_outputs, write_bytes_atomic, write_text_atomic
 from ._options import WEIGHT_KINDS, cli, fold_option
 
 ARCHS = ("layerwise", "hybrid", "both")
@@ -117,12 +118,10 @@ def snr_command(
     reconstructed network input vs depth. CSV columns: panel, arch, slope, rho, depth, index, layer, kind,
     measured, theory (alpha for panels a-b, dB for c-d).
     """
-    out_path = check_writable(out, force=force)
-    if out_path.suffix.lower() not in FIGURE_SUFFIXES:
+    if Path(out).suffix.lower() not in FIGURE_SUFFIXES:
         raise FewBitError(f"--out must end in {', '.join(FIGURE_SUFFIXES)}, got {out!r}")
-    csv_file = check_writable(csv_path, force=force) if csv_path else None
-    if csv_file is not None and csv_file.resolve() == out_path.resolve():
-        raise FewBitError("--csv and --out must be different files")
+    outputs = check_outputs({"--out": out, "--csv": csv_path}, force=force)
+    out_path, csv_file = outputs["--out"], outputs["--csv"]
     if bits is not None or activations:
         given = {
             "--slope": slope,

@@ -10,7 +10,7 @@ from typing import Any
 import click
 
 from ..errors import FewBitError, parse_int_spec
-from ..table import check_writable
+from ..table import check_outputs
 from ._options import WEIGHT_KINDS, cli, weight_options
 
 # Activations of the default `curves` figure: the paper's Table 1 and the other smooth ones.
@@ -104,10 +104,12 @@ def _report(problems: list[str], command: str) -> None:
 
 
 def weight_kwargs(weight: str, loc, scale, df, samples, design_range) -> dict[str, Any]:
+    from ..design.weights import check_design_range
     from ..errors import check_choice
 
     weight = check_choice("--weight", weight, WEIGHT_KINDS)
-    kwargs: dict[str, Any] = {"weight": weight, "low": design_range[0], "high": design_range[1]}
+    low, high = check_design_range(*design_range, name="--range")
+    kwargs: dict[str, Any] = {"weight": weight, "low": low, "high": high}
     for name, value in (("loc", loc), ("scale", scale), ("df", df), ("samples", samples)):
         if value is not None:
             kwargs[name] = value
@@ -170,12 +172,12 @@ def plot_command(activation, bits_spec, mode, weight, loc, scale, df, samples, d
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bound = bind(activation, _param_dict(params))
     kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
-    check_writable(out, force=force)
+    check_outputs({"--out": out}, force=force)
     tables = [get_table(bound, bits, mode, kwargs) for bits in bits_list]
     from ..design.weights import make_weight
     from ..plots import plot_bits_grid
 
-    plot_bits_grid(tables, bound, make_weight(**_weight_only(kwargs)), out)
+    plot_bits_grid(tables, bound, make_weight(**_weight_only(kwargs)), out, force=force)
     click.echo(f"wrote {out}")
 
 
@@ -198,9 +200,7 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bounds = [bind(name) for name in (activations or DEFAULT_CURVES)]
     kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
-    check_writable(out, force=force)
-    if csv_path:
-        check_writable(csv_path, force=force)
+    check_outputs({"--out": out, "--csv": csv_path}, force=force)
     rows = []
     for bound in bounds:
         for mode in ("levelsets", "intervals"):
@@ -219,7 +219,7 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
     click.echo(format_curves_table(rows, bits_list))
     from ..plots import plot_curves
 
-    plot_curves(rows, out, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]")
+    plot_curves(rows, out, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]", force=force)
     if csv_path:
         write_curves_csv(rows, csv_path, force=force)
     click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else ""))

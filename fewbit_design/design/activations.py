@@ -95,6 +95,9 @@ class Activation:
     _choices: Mapping[str, tuple[str, ...]] = field(default_factory=dict, repr=False, compare=False)
     description: str = field(default="", compare=False)
     _open_params: bool = field(default=False, repr=False, compare=False)
+    _check_range: Callable[[float, float, Params], None] = field(
+        default=lambda low, high, p: None, repr=False, compare=False
+    )
 
     def __hash__(self) -> int:
         return hash((self.name, self.torch_name))
@@ -179,11 +182,18 @@ class BoundActivation:
 
     def f(self, x: object) -> np.ndarray:
         """The activation, vectorised, float64."""
-        return self.activation._f(_array(x), self.params)
+        with np.errstate(all="ignore"):  # inf/nan in intermediates are expected (exp(-x) far out): results are checked
+            return self.activation._f(_array(x), self.params)
 
     def df(self, x: object) -> np.ndarray:
         """The derivative f' as torch's backward computes it, vectorised, float64."""
-        return self.activation._df(_array(x), self.params)
+        with np.errstate(all="ignore"):
+            return self.activation._df(_array(x), self.params)
+
+    def check_range(self, low: float, high: float) -> None:
+        """Raise a :class:`FewBitError` if f' cannot be approximated on [low, high]: a user activation that jumps or
+        whose derivative is unbounded there (registry activations define f' as torch's backward: nothing to check)."""
+        self.activation._check_range(float(low), float(high), self.params)
 
     @property
     def breakpoints(self) -> tuple[float, ...]:
@@ -748,6 +758,11 @@ def _finite_difference(f: Callable[[np.ndarray], np.ndarray], x: np.ndarray) -> 
     return total / (60.0 * h)
 
 
+#: Cells of the scan of a user activation's f over the design range, and bisections of its steepest cells.
+RANGE_SCAN = 1 << 14
+BISECTIONS = 20
+
+
 class _UserFunction:
     """Calls a user's ``fn`` and checks what comes back; every failure is one FewBitError naming the spec.
 
@@ -800,6 +815,52 @@ class _UserFunction:
             raise self._fail(f"{what} is not finite at x={float(bad):g}")
         return y
 
+    def check_range(self, low: float, high: float, params: Params) -> None:
+        """Refuse an f that is discontinuous or has an unbounded derivative on [low, high].
+
+        Neither has a derivative a table can approximate: finite differences turn a jump into a spike of height
+        ~ jump / step, autograd of a step (``torch.round``, ``x > 0``) gives 0, and either way the design returned
+        garbage levels labelled exact. The test: on a scan of :data:`RANGE_SCAN` cells, the steepest cells are
+        bisected :data:`BISECTIONS` times towards their steeper half. For an f with a bounded f', the secant slope
+        over the shrinking interval stays below max |f'| (about the largest secant slope of the scan); at a jump it
+        grows like 1 / width, at an unbounded f' (sqrt|x|) like a power of it.
+        """
+        x = np.linspace(low, high, RANGE_SCAN + 1)
+        y = self.f(x, params)
+        slopes = np.abs(np.diff(y)) / np.diff(x)
+        steepest = float(slopes.max())
+        cells = np.argsort(slopes, kind="stable")[-8:]
+        a, b = x[cells], x[cells + 1]
+        fa, fb = y[cells], y[cells + 1]
+        start = np.abs(fb - fa)
+        for _ in range(BISECTIONS):
+            middle = 0.5 * (a + b)
+            fm = self.f(middle, params)
+            left = np.abs(fm - fa) >= np.abs(fb - fm)
+            # stop where the interval nears the float resolution of x
+            left &= b - a > 1024 * np.spacing(np.maximum(np.abs(a), np.abs(b)))
+            right = ~left & (b - a > 1024 * np.spacing(np.maximum(np.abs(a), np.abs(b))))
+            b, fb = np.where(left, middle, b), np.where(left, fm, fb)
+            a, fa = np.where(right, middle, a), np.where(right, fm, fa)
+        width = b - a
+        change = np.abs(fb - fa)
+        # rounding of f itself makes change / width up to 64 eps |f| / width
+        noise = 64.0 * np.finfo(np.float64).eps * float(np.max(np.abs(y))) / width
+        steep = change / width > 16.0 * steepest + noise
+        if not steep.any():
+            return
+        k = int(np.flatnonzero(steep)[np.argmax((change / width)[steep])])
+        where = f"near x={0.5 * (a[k] + b[k]):.6g}"
+        if change[k] >= 0.5 * start[k]:
+            raise self._fail(
+                f"f is discontinuous {where} (it jumps by {change[k]:.3g} within a width of {width[k]:.2g}): its "
+                "derivative there is not a function a few-bit table can approximate; make f continuous"
+            )
+        raise self._fail(
+            f"the derivative of f is unbounded {where} (f changes by {change[k]:.3g} within a width of "
+            f"{width[k]:.2g}): a few-bit table approximates a bounded f' only; exclude that point with --range"
+        )
+
     def f(self, x: np.ndarray, params: Params) -> np.ndarray:
         if self.torch_forward:
             import torch
@@ -838,6 +899,11 @@ def from_module(spec: str, params: Mapping[str, object] | None = None) -> BoundA
     otherwise a float64 numpy array, and f' is a 6th-order central finite difference (step eps**(1/7) * max(1, |x|)).
     ``params`` (JSON scalars) are passed to ``fn`` as keyword arguments and recorded in the table.
     The result's name is ``spec``; it has no breakpoints, is not marked even and has no torch module.
+
+    f must be continuous with a bounded derivative on the design range: a jump (a step, ``sign``, ``round``) or an
+    unbounded f' (``sqrt(|x|)`` at 0) is refused when the design starts (:meth:`_UserFunction.check_range`). A kink
+    is fine, but finite differences smear it over about 3 steps (6e-3 max(1, |x|)) on either side; with torch,
+    autograd gives the exact piecewise-constant derivative (``abs`` designs exactly with 1 bit).
     """
     if not isinstance(spec, str) or spec.count(":") != 1:
         raise FewBitError(f"--activation-module must look like 'package.module:function', got {spec!r}")
@@ -868,6 +934,7 @@ def from_module(spec: str, params: Mapping[str, object] | None = None) -> BoundA
         _df=user.df,
         description=f"user activation {spec}",
         _open_params=True,
+        _check_range=user.check_range,
     )
     bound = activation.bind(kwargs)
     bound.f(np.linspace(-3.0, 3.0, 7))  # fail now, not in the middle of a design

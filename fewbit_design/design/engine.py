@@ -39,15 +39,24 @@ from typing import Any
 import numpy as np
 
 from .._version import __version__
-from ..errors import FewBitError, check_bits, check_choice, check_range
+from ..errors import FewBitError, check_bits, check_choice
 from ..table import MODES, Table, format_float
 from . import activations as registry
 from .canonical import canonicalize
-from .integrals import Antiderivative, Problem, cell_integrals, integrate, make_grid, prefix_integrals, split_at
+from .integrals import (
+    Antiderivative,
+    Problem,
+    cell_integrals,
+    graded,
+    integrate,
+    make_grid,
+    prefix_integrals,
+    split_at,
+)
 from .refine import refine_intervals, refine_levelsets, regions_loss
-from .weights import Weight, make_weight
+from .weights import Weight, check_design_range, make_weight
 
-__all__ = ["design", "default_grid", "table_error", "signal_power"]
+__all__ = ["design", "default_grid", "table_error", "signal_power", "check_derivative", "snr_db_of", "describe"]
 
 #: Panels of the fine grid that carries the accurate moments of the refinements.
 PANELS = 4096
@@ -55,6 +64,10 @@ PANELS = 4096
 SCAN_POINTS = 16384
 #: Largest grid accepted.
 MAX_GRID = 1 << 22
+#: Largest |f'| a table may hold: the runtime multiplies levels in float32 (and f'**2 must stay far inside float64).
+MAX_DERIVATIVE = float(np.finfo(np.float32).max)
+#: Points of the scan that checks f' over the design range before any work.
+CHECK_POINTS = 4097
 
 Progress = Callable[[str], None]
 #: Grid spacings: ``adaptive`` follows w (f'')^2 (half the points) and is uniform otherwise; ``uniform`` is the
@@ -99,17 +112,84 @@ def table_error(problem: Problem, boundaries: np.ndarray, codes: np.ndarray, lev
     # The level of each piece between edges: the interval holding its middle.
     middle = (edges[:-1] + edges[1:]) / 2.0
     piece_levels = levels[codes[np.searchsorted(boundaries, middle, side="right")]]
-    starts, ends, owner = split_at(edges[:-1], edges[1:], problem.split_points)
+    starts, ends, owner = _graded_pieces(edges, problem.split_points)
     y = piece_levels[owner]
     values = integrate(lambda x, k: problem.error_density(x, y[k][:, None])[None], starts, ends)
     return float(values.sum())
 
 
-def signal_power(problem: Problem) -> float:
-    """The integral of f'**2 w over the range (the numerator of the SNR)."""
-    starts, ends, _ = split_at(np.array([problem.low]), np.array([problem.high]), problem.split_points)
+def describe(bound: registry.BoundActivation) -> str:
+    """``leaky_relu(negative_slope=0.2)``: the activation with its parameters, for messages."""
+    params = ", ".join(f"{key}={value:g}" if isinstance(value, float) else f"{key}={value!r}"
+                       for key, value in bound.params.items())  # fmt: skip
+    return f"{bound.name}({params})" if params else bound.name
+
+
+def check_derivative(bound: registry.BoundActivation, w: Weight) -> None:
+    """Check f' on a scan of the design range (where w > 0) before any work: finite, and within
+    :data:`MAX_DERIVATIVE`. A user activation (``--activation-module``) is also checked for jumps and unbounded
+    derivatives (see :meth:`~fewbit_design.design.activations.BoundActivation.check_range`).
+
+    Without this an overflowing f' (``leaky_relu`` with ``negative_slope=1e308``) ran the adaptive quadrature on
+    infinite values until it ran out of memory.
+    """
+    bound.check_range(w.low, w.high)
+    x = np.linspace(w.low, w.high, CHECK_POINTS)
+    inside = np.asarray(bound.breakpoints + w.breakpoints, dtype=np.float64)
+    x = np.union1d(x, inside[(inside > w.low) & (inside < w.high)])
+    x = x[np.asarray(w(x)) > 0]
+    if x.size == 0:
+        return
+    d = np.asarray(bound.df(x), dtype=np.float64)
+    what = f"the derivative of {describe(bound)}"
+    bad = ~np.isfinite(d)
+    if bad.any():
+        raise FewBitError(f"{what} is not finite at x={float(x[bad][0]):g} inside the design range")
+    big = np.abs(d) > MAX_DERIVATIVE
+    if big.any():
+        at = int(np.argmax(np.abs(d)))
+        raise FewBitError(
+            f"{what} reaches {float(d[at]):g} at x={float(x[at]):g} inside the design range; a table holds levels "
+            f"within +-{MAX_DERIVATIVE:.3g} (float32, the dtype the runtime multiplies in)"
+        )
+
+
+def snr_db_of(signal: float, error: float, what: str) -> float | None:
+    """``10 log10(signal / error)`` in dB; None when the table is exact (``error == 0``).
+
+    "Exact" means q = f' wherever w > 0, up to the quadrature's rounding; that includes f' = 0 there (a table of
+    zeros, whose SNR 0/0 is undefined). Computed as a difference of logarithms, so a tiny error cannot overflow the
+    ratio to an infinite SNR.
+    """
+    if error == 0:
+        return None
+    if not signal > 0:
+        raise FewBitError(
+            f"{what}: the integral of f'**2 w is 0 but the table's error is {error:g}: f' is not integrable as "
+            "sampled (a spike narrower than the quadrature sees?)"
+        )
+    return 10.0 * (math.log10(signal) - math.log10(error))
+
+
+def signal_power(problem: Problem, boundaries: np.ndarray = ()) -> float:
+    """The integral of f'**2 w over the range (the numerator of the SNR), split at the table's ``boundaries`` (where
+    f' changes most) and graded toward every split like :func:`table_error`."""
+    inside = np.abs(np.asarray(boundaries, dtype=np.float64)) if problem.symmetric else np.asarray(boundaries, float)
+    inside = np.unique(inside[(inside > problem.low) & (inside < problem.high)])
+    edges = np.concatenate([[problem.low], inside, [problem.high]])
+    starts, ends, _ = _graded_pieces(edges, problem.split_points)
     values = integrate(lambda x, k: problem.densities(x)[2:], starts, ends)
     return float(values.sum())
+
+
+def _graded_pieces(edges: np.ndarray, split_points: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The intervals between ``edges`` (a table's boundaries and the range's ends), graded toward their ends
+    (:func:`~fewbit_design.design.integrals.graded`), then split at ``split_points``: (starts, ends, interval of each
+    piece). Grading goes where q jumps; the split points (breakpoints of f', the nodes of an empirical weight) only
+    split, or an empirical weight's 8193 nodes would each be graded."""
+    starts, ends, owner = graded(edges[:-1], edges[1:], np.arange(edges.size - 1))
+    starts, ends, piece = split_at(starts, ends, split_points)
+    return starts, ends, owner[piece]
 
 
 def _point_density(problem: Problem, spacing: str) -> Callable | None:
@@ -202,9 +282,33 @@ def design(
     grid = _check_grid(grid, bits)
     spacing = check_choice("spacing", spacing, SPACINGS)
     if not isinstance(weight, Weight):
-        low, high = check_range(low, high)
+        low, high = check_design_range(low, high)
     bound = _bind(activation, params)
     w = _weight(weight, low, high, loc, scale, df, samples)
+    check_derivative(bound, w)
+    try:
+        # Every overflow or invalid operation of the design's own arithmetic is an error here, never a nan or inf
+        # carried on (f' and w evaluate with their own errstate and are checked for finite values).
+        with np.errstate(over="raise", invalid="raise", divide="raise"):
+            return _design(bound, w, bits, mode, symmetric, grid, spacing, refine, progress)
+    except FloatingPointError as exc:
+        raise FewBitError(
+            f"designing a {bits}-bit table for {describe(bound)} with weight {w.kind!r} on [{w.low:g}, {w.high:g}] "
+            f"overflows float64 ({exc}): the activation's parameters, the weight or the range are too extreme"
+        ) from None
+
+
+def _design(
+    bound: registry.BoundActivation,
+    w: Weight,
+    bits: int,
+    mode: str,
+    symmetric: bool,
+    grid: int | None,
+    spacing: str,
+    refine: bool,
+    progress: Progress | None,
+) -> Table:
     say = progress or (lambda message: None)
     points = grid if grid is not None else default_grid(bits, mode)
 
@@ -231,8 +335,7 @@ def design(
     boundaries, codes, levels = canonical.boundaries, canonical.codes, canonical.levels
     say("final error by adaptive quadrature")
     error = table_error(full, boundaries, codes, levels)
-    signal = signal_power(full)
-    snr_db = 10.0 * math.log10(signal / error) if error > 0 and signal > 0 else None
+    snr_db = snr_db_of(signal_power(full, boundaries), error, name)
     record = {"grid": int(points), "refined": bool(info["refined"]), "version": __version__}
     record["grid_error"] = format_float(info["grid_error"])
     record["iterations"] = int(info["iterations"])

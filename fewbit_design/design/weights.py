@@ -36,7 +36,7 @@ import numpy as np
 
 from ..errors import FewBitError, check_choice, check_finite, check_positive, check_range
 
-__all__ = ["WEIGHT_KINDS", "Weight", "make_weight", "weight_from_dict", "EMPIRICAL_GRID"]
+__all__ = ["WEIGHT_KINDS", "Weight", "make_weight", "weight_from_dict", "check_design_range", "EMPIRICAL_GRID"]
 
 WEIGHT_KINDS = ("uniform", "normal", "laplace", "student-t", "empirical")
 
@@ -46,6 +46,17 @@ EMPIRICAL_GRID = 8193
 _MAX_PAD = 1 << 16
 # The kernel is truncated at this many bandwidths (exp(-36 / 2) ~ 1.5e-8).
 _KERNEL_WIDTH = 6.0
+
+#: Limits of a design range [low, high] (:func:`check_design_range`). The design resolves f' and w on grids of about
+#: 2**16 cells: a range wider than +-1e6 cannot resolve an activation's bend at scale 1 (tables there degrade, and at
+#: +-1e38 gelu's error came out 0, "exact"); a range narrower than 2**-20 of its magnitude has grid cells of a few
+#: ulps, and one narrower than 1e-100 has cell widths whose squares leave float64.
+MAX_ABS_RANGE = 1e6
+MIN_RELATIVE_WIDTH = 2.0**-20
+MIN_WIDTH = 1e-100
+#: The smallest scale of a normal, laplace or student-t weight, relative to the range's width: a narrower weight
+#: falls between the design grid's points (scale 1e-12 on [-10, 10] read as "no mass inside the design range").
+MIN_RELATIVE_SCALE = 1e-6
 
 _USES = {
     "loc": ("normal", "laplace", "student-t"),
@@ -90,13 +101,14 @@ class Weight:
         if self.kind == "empirical":
             values = np.interp(x, self._nodes, self._density)
         else:
-            z = (x - self.loc) / self.scale
-            if self.kind == "normal":
-                values = np.exp(-0.5 * z * z) / (self.scale * math.sqrt(2.0 * math.pi))
-            elif self.kind == "laplace":
-                values = np.exp(-np.abs(z)) / (2.0 * self.scale)
-            else:  # student-t
-                values = np.exp(self._log_norm - 0.5 * (self.df + 1.0) * np.log1p(z * z / self.df))
+            with np.errstate(over="ignore", under="ignore"):  # z * z = inf far out: exp(-inf) = 0 is the density
+                z = (x - self.loc) / self.scale
+                if self.kind == "normal":
+                    values = np.exp(-0.5 * z * z) / (self.scale * math.sqrt(2.0 * math.pi))
+                elif self.kind == "laplace":
+                    values = np.exp(-np.abs(z)) / (2.0 * self.scale)
+                else:  # student-t
+                    values = np.exp(self._log_norm - 0.5 * (self.df + 1.0) * np.log1p(z * z / self.df))
         return np.where(inside, values, 0.0)
 
     @property
@@ -149,6 +161,31 @@ class Weight:
         return float(stdtr(self.df, b) - stdtr(self.df, a)) if a < 0 else float(stdtr(self.df, -a) - stdtr(self.df, -b))
 
 
+def check_design_range(low: object, high: object, name: str = "range") -> tuple[float, float]:
+    """A design range [low, high]: :func:`~fewbit_design.errors.check_range`, within +-:data:`MAX_ABS_RANGE` and at
+    least :data:`MIN_WIDTH` and :data:`MIN_RELATIVE_WIDTH` of its magnitude wide.
+
+    >>> check_design_range(-1e7, 1.0)
+    Traceback (most recent call last):
+    ...
+    fewbit_design.errors.FewBitError: range must lie within +-1e+06 (the design grid resolves an activation's bend at \
+scale 1 only up to there), got [-1e+07, 1]
+    """
+    low, high = check_range(low, high, name=name)
+    magnitude = max(abs(low), abs(high))
+    if magnitude > MAX_ABS_RANGE:
+        raise FewBitError(
+            f"{name} must lie within +-{MAX_ABS_RANGE:g} (the design grid resolves an activation's bend at scale 1 "
+            f"only up to there), got [{low:g}, {high:g}]"
+        )
+    if high - low < max(MIN_WIDTH, MIN_RELATIVE_WIDTH * magnitude):
+        raise FewBitError(
+            f"{name} [{low:.17g}, {high:.17g}] is too narrow: it must be at least {MIN_WIDTH:g} wide and "
+            f"2**-20 of its magnitude (its grid cells would be a few float64 ulps)"
+        )
+    return low, high
+
+
 def _laplace_cdf(z: float) -> float:
     return 0.5 * math.exp(z) if z < 0 else 1.0 - 0.5 * math.exp(-z)
 
@@ -182,7 +219,7 @@ def make_weight(
     fewbit_design.errors.FewBitError: df applies only to weight 'student-t', got weight 'normal'
     """
     kind = check_choice("weight", kind, WEIGHT_KINDS)
-    low, high = check_range(low, high)
+    low, high = check_design_range(low, high)
     options = {"loc": loc, "scale": scale, "df": df, "samples": samples}
     for name, value in options.items():
         if kind not in _USES[name] and _given(name, value):
@@ -200,14 +237,22 @@ def make_weight(
         return _empirical(samples, low, high)
     loc = 0.0 if loc is None else check_finite("loc", loc)
     scale = 1.0 if scale is None else check_positive("scale", scale)
+    if scale < MIN_RELATIVE_SCALE * (high - low):
+        raise FewBitError(
+            f"scale {scale:g} of weight {kind!r} is too small for the design range [{low:g}, {high:g}]: the design "
+            f"grid resolves a weight at least {MIN_RELATIVE_SCALE:g} of the range wide (scale >= "
+            f"{MIN_RELATIVE_SCALE * (high - low):.3g}); narrow the range"
+        )
     if kind != "student-t":
         return Weight(kind, low, high, loc=loc, scale=scale)
     if df is None:
         raise FewBitError("weight 'student-t' needs df, its degrees of freedom (> 0): --df X")
     df = check_positive("df", df)
-    from scipy.special import gammaln
+    from scipy.special import betaln
 
-    log_norm = gammaln(0.5 * (df + 1.0)) - gammaln(0.5 * df) - 0.5 * math.log(df * math.pi) - math.log(scale)
+    # log Gamma((df+1)/2) - log Gamma(df/2) - log(df pi)/2 = -log B(df/2, 1/2) - log(df)/2, without the cancellation
+    # of two huge log Gammas (df = 1e100 gave a density e**-115 times too small; 1e308 gave nan)
+    log_norm = -betaln(0.5 * df, 0.5) - 0.5 * math.log(df) - math.log(scale)
     return Weight(kind, low, high, loc=loc, scale=scale, df=df, _log_norm=float(log_norm))
 
 
@@ -263,9 +308,13 @@ def _load_samples(samples: str | os.PathLike | np.ndarray) -> tuple[np.ndarray, 
 
 def silverman_bandwidth(samples: np.ndarray) -> float:
     """Silverman's rule of thumb: 0.9 min(std, IQR / 1.34) n**(-1/5) (std alone when the IQR is 0)."""
-    std = float(np.std(samples, ddof=1))
-    q75, q25 = np.percentile(samples, [75.0, 25.0])
-    spread = min(std, float(q75 - q25) / 1.34)
+    # samples near +-1e308 (or 1e-308) go in units of the largest |sample|: their squares (and IQR) over/underflow
+    largest = float(np.max(np.abs(samples)))
+    unit = largest if largest > 1e150 or 0.0 < largest < 1e-150 else 1.0
+    scaled = samples / unit
+    std = float(np.std(scaled, ddof=1)) * unit
+    q75, q25 = np.percentile(scaled, [75.0, 25.0])
+    spread = min(std, float(q75 - q25) / 1.34 * unit)
     if spread <= 0:
         spread = std
     return 0.9 * spread * samples.size ** (-0.2)
@@ -306,21 +355,25 @@ def _kde_on_grid(samples: np.ndarray, low: float, high: float, bandwidth: float)
 
     cells = EMPIRICAL_GRID - 1
     step = (high - low) / cells
-    pad = math.ceil(_KERNEL_WIDTH * bandwidth / step)
-    if pad > _MAX_PAD:  # the kernel is far wider than the range: a coarser grid resolves it just as well
-        cells = max(2, math.floor((high - low) * _MAX_PAD / (_KERNEL_WIDTH * bandwidth)))
+    # Ratios are formed as bandwidth / step (never their product): a bandwidth near 1e308 or 0 must not overflow.
+    if bandwidth / step > _MAX_PAD / _KERNEL_WIDTH:  # the kernel is far wider than the range: a coarser grid will do
+        cells = max(2, math.floor(min((high - low) / bandwidth * (_MAX_PAD / _KERNEL_WIDTH), float(cells))))
         step = (high - low) / cells
-        pad = min(math.ceil(_KERNEL_WIDTH * bandwidth / step), 4 * _MAX_PAD)
+    reach = _KERNEL_WIDTH * (bandwidth / step)
+    pad = math.ceil(reach) if reach <= 4 * _MAX_PAD else 4 * _MAX_PAD
+    if bandwidth < step / 64.0:  # narrower than a grid cell: the kernel is a unit spike (linear binning alone)
+        pad = 0
     start = low - pad * step
     size = cells + 1 + 2 * pad
-    position = (samples - start) / step
+    near = samples[(samples >= start) & (samples <= start + (size - 1) * step)]  # (far samples would overflow)
+    position = (near - start) / step
     keep = (position >= 0) & (position <= size - 1)
     position = position[keep]
     index = np.minimum(np.floor(position).astype(np.int64), size - 2)
     fraction = position - index
     counts = np.bincount(index, weights=1.0 - fraction, minlength=size)
     counts += np.bincount(index + 1, weights=fraction, minlength=size)
-    offsets = np.arange(-pad, pad + 1, dtype=np.float64) * (step / bandwidth)
+    offsets = np.arange(-pad, pad + 1, dtype=np.float64) * (step / bandwidth if pad else 0.0)
     kernel = np.exp(-0.5 * offsets * offsets)
     kernel /= kernel.sum()
     smoothed = fftconvolve(counts, kernel, mode="same") / (samples.size * step)

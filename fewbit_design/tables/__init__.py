@@ -13,16 +13,20 @@ equality of a rebuild is expected only on the same machine and versions.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
+import signal
+import sys
+import threading
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from ..errors import FewBitError
-from ..table import Table, load, write_text_atomic
+from ..table import INDEX_FORMAT, Table, check_index, load, parse_json, read_table_text, write_text_atomic
 
 __all__ = [
     "INDEX_FORMAT",
@@ -37,7 +41,6 @@ __all__ = [
     "read_index",
 ]
 
-INDEX_FORMAT = "fewbit-index/1"
 TABLES_DIR = Path(__file__).resolve().parent
 RANGE = (-10.0, 10.0)
 # weight name in the index -> keyword arguments of design()
@@ -134,20 +137,13 @@ def _index_text(entries: list[dict[str, Any]]) -> str:
     return json.dumps(document, indent=1) + "\n"
 
 
-def _worker_init() -> None:
-    # One numba thread per worker process: the processes already use every core.
-    try:
-        import numba
-
-        numba.set_num_threads(1)
-    except Exception:  # pragma: no cover - numba missing or threading layer refuses; the build still works
-        pass
-
-
 def _design_all(
     specs: list[TableSpec], jobs: int | None, progress: Callable[[TableSpec], None] | None
 ) -> dict[TableSpec, str]:
-    """JSON text of every spec, designed in ``jobs`` worker processes (default: all cores)."""
+    """JSON text of every spec, designed in ``jobs`` worker processes (default: all cores).
+
+    Interrupt-safe (:class:`_Workers`): Ctrl-C stops the build at once, with every worker ended and nothing written.
+    """
     jobs = max(1, int(jobs or os.cpu_count() or 1))
     results: dict[TableSpec, str] = {}
     if jobs == 1:
@@ -156,18 +152,188 @@ def _design_all(
             if progress:
                 progress(spec)
         return results
-    import multiprocessing
-    from concurrent.futures import ProcessPoolExecutor
-
     # Most expensive first keeps the workers busy until the end.
     order = sorted(specs, key=lambda s: (-s.bits, s.file))
-    context = multiprocessing.get_context("spawn")
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=context, initializer=_worker_init) as pool:
-        for spec, text in pool.map(build_table, order, chunksize=1):
+    with _Workers(min(jobs, len(order))) as workers:
+        for spec, text in workers.run(build_table, order):
             results[spec] = text
             if progress:
                 progress(spec)
     return results
+
+
+@contextlib.contextmanager
+def _sigint_deferred():
+    """Hold SIGINT back during the block (in the main thread) and deliver it, once, when the block ends.
+
+    Both halves are needed: the signal mask keeps the kernel from delivering SIGINT (and is inherited by the worker
+    processes spawned meanwhile), and a recording handler catches a SIGINT that arrived just before the block but
+    whose Python handler had not run yet (it would raise KeyboardInterrupt half-way through starting a worker, whose
+    start-up data then never arrived: an ``EOFError`` traceback from the orphaned worker).
+    """
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    caught: list[int] = []
+    previous_handler = signal.signal(signal.SIGINT, lambda number, frame: caught.append(number))
+    previous_mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous_mask)  # a held-back SIGINT reaches the recorder now
+        signal.signal(signal.SIGINT, previous_handler)
+        if caught:
+            signal.raise_signal(signal.SIGINT)  # once, to the handler that was in place (KeyboardInterrupt)
+
+
+class _Workers:
+    """Worker processes (spawned: numba and OpenMP do not survive a fork) fed one task at a time over a pipe each.
+
+    Interrupt safety, the reason this is not a ``ProcessPoolExecutor`` (whose Ctrl-C handling hung the build in 3 of
+    6 tries and left workers computing after the parent had gone):
+
+    * workers start with SIGINT blocked and then ignore it, so a Ctrl-C to the terminal's process group reaches only
+      the parent, never a worker half-way through its start-up (which printed a traceback);
+    * the parent waits on the pipes (interruptible); on any exception, Ctrl-C included, leaving the ``with`` block
+      terminates every worker (SIGTERM, then SIGKILL after 5 s) and joins it, with SIGINT held back meanwhile so a
+      second Ctrl-C cannot cut the clean-up short, and re-raises;
+    * a worker whose parent dies anyway (SIGKILL) gets SIGTERM from the kernel (Linux ``PR_SET_PDEATHSIG``) or
+      notices within a second that its parent is gone, and exits.
+    """
+
+    def __init__(self, count: int) -> None:
+        import multiprocessing
+
+        self.context = multiprocessing.get_context("spawn")
+        self.count = count
+        self.processes: list[Any] = []
+        self.pipes: list[Any] = []
+
+    def __enter__(self) -> _Workers:
+        from multiprocessing import resource_tracker
+
+        try:
+            # multiprocessing starts its resource tracker with the first process and unblocks SIGINT afterwards:
+            # start it first, so that the workers below inherit the blocked mask (no KeyboardInterrupt in their
+            # start-up)
+            resource_tracker.ensure_running()
+            with _sigint_deferred():
+                for _ in range(self.count):
+                    parent_end, child_end = self.context.Pipe()
+                    process = self.context.Process(
+                        target=_worker_main, args=(child_end, os.getpid()), name="fewbit-tables-worker", daemon=True
+                    )
+                    process.start()
+                    child_end.close()
+                    self.processes.append(process)
+                    self.pipes.append(parent_end)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, kind: Any, value: Any, traceback: Any) -> None:
+        self.close()
+
+    def run(self, function: Callable[[Any], Any], tasks: Sequence[Any]):
+        """Yield ``function(task)`` for every task, in the order they finish; a task's exception is raised here."""
+        from multiprocessing.connection import wait
+
+        todo = list(reversed(tasks))
+        busy: dict[Any, Any] = {}
+        for pipe in self.pipes:
+            if todo:
+                busy[pipe] = todo.pop()
+                pipe.send((function, busy[pipe]))
+        while busy:
+            for pipe in wait(list(busy)):
+                try:
+                    status, payload = pipe.recv()
+                except (EOFError, OSError):
+                    process = self.processes[self.pipes.index(pipe)]
+                    process.join(1)
+                    raise FewBitError(
+                        f"a worker process died (exit code {process.exitcode}) while designing {busy[pipe]!r}"
+                    ) from None
+                task = busy.pop(pipe)
+                if status == "error":
+                    raise (
+                        payload
+                        if isinstance(payload, FewBitError)
+                        else RuntimeError(f"designing {task!r} failed in a worker process:\n{payload}")
+                    )
+                if todo:
+                    busy[pipe] = todo.pop()
+                    pipe.send((function, busy[pipe]))
+                yield payload
+
+    def close(self) -> None:
+        """End every worker and wait for it (SIGINT held back meanwhile)."""
+        with _sigint_deferred():
+            for pipe in self.pipes:
+                with contextlib.suppress(OSError):
+                    pipe.send(None)  # a worker between tasks exits on its own
+            for process in self.processes:
+                if process.is_alive():
+                    process.terminate()
+            for process in self.processes:
+                process.join(5)
+                if process.is_alive():
+                    process.kill()
+                    process.join()
+            for pipe in self.pipes:
+                pipe.close()
+            self.processes, self.pipes = [], []
+
+
+def _worker_main(pipe: Any, parent: int) -> None:
+    """A worker's loop: run ``(function, task)`` messages until ``None`` or until the parent is gone."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the parent's to handle
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
+    _die_with_parent(parent)
+    try:  # one numba thread per worker process: the processes already use every core
+        import numba
+
+        numba.set_num_threads(1)
+    except Exception:  # pragma: no cover - numba missing or threading layer refuses; the build still works
+        pass
+    while True:
+        try:
+            while not pipe.poll(1.0):
+                if os.getppid() != parent:
+                    return
+            message = pipe.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        function, task = message
+        try:
+            reply = ("ok", function(task))
+        except FewBitError as exc:
+            reply = ("error", FewBitError(str(exc)))
+        except Exception:
+            import traceback
+
+            reply = ("error", traceback.format_exc())
+        try:
+            pipe.send(reply)
+        except (OSError, EOFError):
+            return
+
+
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to send SIGTERM when the parent exits (Linux); exit now if it is already gone."""
+    if sys.platform.startswith("linux"):
+        try:
+            import ctypes
+
+            ctypes.CDLL(None, use_errno=True).prctl(1, int(signal.SIGTERM))  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):  # pragma: no cover - no prctl: the poll in _worker_main still notices
+            pass
+    if os.getppid() != parent:
+        os._exit(0)
 
 
 def check(
@@ -231,16 +397,11 @@ def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
     """Read and check ``index.json`` of a tables folder."""
     root = Path(root) if root is not None else TABLES_DIR
     path = root / "index.json"
-    try:
-        document = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise FewBitError(f"no table index at {str(path)!r}; run 'fewbit-design tables build'") from None
-    except (OSError, json.JSONDecodeError) as exc:
-        raise FewBitError(f"table index {str(path)!r} cannot be read: {exc}") from None
-    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
-        raise FewBitError(f"table index {str(path)!r}: field 'format' must be {INDEX_FORMAT!r}")
-    if not isinstance(document.get("tables"), list):
-        raise FewBitError(f"table index {str(path)!r}: field 'tables' must be a list")
+    if not path.exists():
+        raise FewBitError(f"no table index at {str(path)!r}; run 'fewbit-design tables build'")
+    where = f"table index {str(path)!r}"
+    document = parse_json(read_table_text(path), where)  # the size and nesting bounds of a table file
+    check_index(document, where)
     return document
 
 

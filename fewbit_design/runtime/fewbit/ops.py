@@ -520,6 +520,11 @@ def backend_for(device: torch.device) -> str:
     """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
     name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
     check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
+    if name in ("numba", "triton") and not _importable(name):
+        raise FewBitError(
+            f"backend {name!r} ({BACKEND_ENV} or use_backend) needs {name}, which is not installed: "
+            f"pip install {name}, or use 'auto' (falls back to the pure-torch reference)"
+        )
     if name != "auto":
         return name
     if device.type == "cuda" and _importable("triton"):

@@ -19,7 +19,6 @@ elu.json` and pass table='elu.json'
 from __future__ import annotations
 
 import functools
-import json
 import math
 import os
 from collections.abc import Mapping
@@ -31,7 +30,17 @@ import numpy as np
 
 from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice
-from ...table import MAX_NESTING, MAX_TABLE_BYTES, MODES, Table, check_numbers, loads, read_table_text
+from ...table import (
+    MAX_NESTING,
+    MAX_TABLE_BYTES,
+    MODES,
+    Table,
+    check_index,
+    check_numbers,
+    loads,
+    parse_json,
+    read_table_text,
+)
 
 __all__ = [
     "INDEX_FORMAT",
@@ -161,26 +170,12 @@ class TableKey:
 
 @functools.lru_cache(maxsize=16)
 def _read_index(path: str, mtime_ns: int) -> dict[tuple[Any, ...], tuple[dict[str, Any], ...]]:
-    """The index's entries by (activation, bits, mode, weight), read once per version of the file."""
-    try:
-        document = json.loads(read_table_text(path))  # the same size and nesting bounds as a table file
-    except json.JSONDecodeError as exc:
-        raise FewBitError(f"table index {path!r}: not valid JSON ({exc.msg} at line {exc.lineno})") from None
-    if not isinstance(document, dict) or document.get("format") != INDEX_FORMAT:
-        raise FewBitError(f"table index {path!r}: field 'format' must be {INDEX_FORMAT!r}")
-    entries = document.get("tables")
-    if not isinstance(entries, list) or not all(isinstance(entry, dict) for entry in entries):
-        raise FewBitError(f"table index {path!r}: field 'tables' must be a list of objects")
+    """The index's entries by (activation, bits, mode, weight), read once per version of the file: the same size and
+    nesting bounds and strict JSON as a table file, and the index schema shared with the design side."""
+    where = f"table index {path!r}"
     groups: dict[tuple[Any, ...], list[dict[str, Any]]] = {}
-    for number, entry in enumerate(entries):
-        for key in ("file", "activation", "bits", "mode", "weight"):
-            if key not in entry:
-                raise FewBitError(f"table index {path!r}: entry {number} has no field {key!r}")
-        group = (entry["activation"], entry["bits"], entry["mode"], entry["weight"])
-        try:
-            groups.setdefault(group, []).append(entry)
-        except TypeError:  # a list or object where a name or number belongs: it matches no lookup
-            continue
+    for entry in check_index(parse_json(read_table_text(path), where), where):
+        groups.setdefault((entry["activation"], entry["bits"], entry["mode"], entry["weight"]), []).append(entry)
     return {group: tuple(members) for group, members in groups.items()}
 
 
