@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from ..table import Table
-from . import TableSpec
+from .shipped import TableSpec
 
 __all__ = ["KINDS", "perturbed", "design_in_subprocess", "spread"]
 
@@ -142,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Print the spread of the perturbations over a set of specs (and write it as CSV with ``--csv``)."""
     import argparse
 
-    from . import table_specs
+    from .shipped import table_specs
 
     parser = argparse.ArgumentParser(prog="python -m fewbit_design.tables.perturb")
     parser.add_argument("--activation", action="append", default=None)

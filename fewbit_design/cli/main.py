@@ -1,0 +1,105 @@
+"""The ``fewbit-design`` command's entry point (:func:`main`; :mod:`fewbit_design.cli` re-exports it).
+
+``fewbit-design ACTIVATION [options]`` designs one table (the default command); the named subcommands
+(``list``, ``tables``, ``plot``, ``curves``, ``snr``) do the rest. Every user error prints one line on stderr,
+``fewbit-design: error: ...``, and exits with status 2: no traceback and no partial output file.
+
+Layout (imports go downward only): :mod:`._options` holds the group and the shared options; one module per
+command family registers its commands on the group (:mod:`.design`: design and list; :mod:`.tables`: tables,
+plot, curves; :mod:`.snr`: snr; :mod:`.memory`: memory); this module imports them and runs the group. The CLI may
+import everything below it (the design math, tables, plots, and the runtime lazily, inside a command); nothing
+imports the CLI.
+"""
+
+from __future__ import annotations
+
+import _thread
+import contextlib
+import re
+import signal
+import sys
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import click
+
+from ..errors import FewBitError
+from . import design, memory, snr, tables  # noqa: F401  (each registers its commands on the group)
+from ._options import PROG, cli, short_help
+
+__all__ = ["cli", "main", "for_shell"]
+
+
+def _fail(message: str) -> None:
+    click.echo(f"{PROG}: error: {message}", err=True)
+    sys.exit(2)
+
+
+def for_shell(message: str) -> str:
+    """A library message said to a shell user: Python keyword spellings become the command's options.
+
+    >>> for_shell("output file 'a.json' exists; pass --force (force=True) to overwrite it")
+    "output file 'a.json' exists; pass --force to overwrite it"
+    """
+    message = message.replace("--force (force=True)", "--force")
+    return re.sub(r"(?<![-\w])force=True\b", "--force", message)
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2."""
+    try:
+        with _interrupts_kept():
+            cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
+    except click.exceptions.Exit as exc:
+        sys.exit(exc.exit_code)
+    except click.Abort as exc:
+        if isinstance(exc.__cause__, KeyboardInterrupt):  # click turns Ctrl-C into Abort: exit as interrupted
+            _interrupted()
+        click.echo(f"{PROG}: aborted", err=True)
+        sys.exit(1)
+    except click.exceptions.NoArgsIsHelpError as exc:  # bare `fewbit-design`: a short help, not a one-line error
+        click.echo(short_help(exc.ctx) if exc.ctx is not None else exc.format_message(), err=True)
+        sys.exit(2)
+    except click.ClickException as exc:
+        _fail(exc.format_message().replace("\n", " "))
+    except FewBitError as exc:
+        _fail(for_shell(str(exc)))
+    except KeyboardInterrupt:
+        _interrupted()
+    sys.exit(0)
+
+
+@contextlib.contextmanager
+def _interrupts_kept():
+    """Keep a Ctrl-C that Python would swallow. Its KeyboardInterrupt is raised wherever the main thread runs Python
+    code next, which may be a finalizer (``__del__``, a weakref callback); there it is "ignored" and the command ran
+    on. While the command runs, such a KeyboardInterrupt is delivered to the main thread again, until it lands in
+    ordinary code and stops the command."""
+    previous = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        if isinstance(unraisable.exc_type, type) and issubclass(unraisable.exc_type, KeyboardInterrupt):
+            # From another thread, a moment later: raised here, in the hook, it would be swallowed again.
+            _thread.start_new_thread(_interrupt_main_soon, ())
+            return
+        previous(unraisable)
+
+    sys.unraisablehook = hook
+    try:
+        yield
+    finally:
+        sys.unraisablehook = previous
+
+
+def _interrupt_main_soon() -> None:
+    time.sleep(0.02)
+    _thread.interrupt_main()
+
+
+def _interrupted() -> None:
+    """Ctrl-C: one line and exit status 130. Clean-up has run on the way here (temporary files, worker processes);
+    a further Ctrl-C while exiting is ignored rather than printed as a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    click.echo(f"{PROG}: interrupted", err=True)
+    sys.exit(130)
