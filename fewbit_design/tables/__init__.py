@@ -6,11 +6,13 @@ from .shipped import (
     INDEX_FORMAT,
     SHIPPED_WEIGHTS,
     TABLES_DIR,
+    VARIANTS,
     TableSpec,
     build,
     build_table,
     check,
     read_index,
+    sample_specs,
     table_specs,
     verify,
 )
@@ -19,6 +21,7 @@ __all__ = [
     "INDEX_FORMAT",
     "TABLES_DIR",
     "SHIPPED_WEIGHTS",
+    "VARIANTS",
     "TableSpec",
     "table_specs",
     "build_table",
@@ -26,4 +29,5 @@ __all__ = [
     "check",
     "verify",
     "read_index",
+    "sample_specs",
 ]

@@ -40,6 +40,7 @@ __all__ = [
     "check",
     "verify",
     "read_index",
+    "sample_specs",
 ]
 
 TABLES_DIR = Path(__file__).resolve().parent
