@@ -247,3 +247,45 @@ def test_replan_uses_the_profile_only(mlp_plan):
     )
     with pytest.raises(FewBitError, match="smallest feasible"):
         plan.replan(0.01)
+
+
+# --- stock Hugging Face models -----------------------------------------------------------------------------------
+def _stock_model(kind: str) -> nn.Module:
+    """A Hugging Face causal LM from its default config except tiny sizes; ``use_cache`` stays at its default
+    (True), which returns the key/value cache from every training step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=64,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache is True
+    return model.train()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_stock_causal_lm_with_its_cache_on_plans_and_trains(kind):
+    """Regression: ``use_cache=True`` (the default) made profiling fail with "Trying to backward through the graph
+    a second time"; the planner turns caches off while it runs the model and puts the setting back."""
+    tokens = torch.randint(0, 64, (4, 32))
+    model = _stock_model(kind)
+    plans = [
+        runtime.plan_memory(model, tokens, budget=budget, example_kwargs={"labels": tokens}, repeats=1)
+        for budget in (0.75, "min")  # LLaMA at this size: the smallest feasible peak is 64% of unconverted
+    ]
+    assert model.config.use_cache is True
+    for plan in plans:
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        applied = plan.apply(_stock_model(kind))
+        plan.measure(applied, tokens, labels=tokens, steps=1)
+        assert applied.config.use_cache is True
+        optimizer = torch.optim.SGD(applied.parameters(), lr=0.1)
+        loss = applied(tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        assert math.isfinite(loss.item())

@@ -222,26 +222,28 @@ class MemoryPlan:
     ) -> dict[str, Any]:
         """Run one training step of the applied ``model`` under :func:`memory.peak` and :func:`memory.saved_bytes`,
         then ``steps`` timed steps; gradients are set to None before and after (no optimizer step). The result is
-        kept in ``measured`` (and shown by :meth:`report`)."""
-        from .profile import default_loss
+        kept in ``measured`` (and shown by :meth:`report`). Caches are off meanwhile, as when profiling
+        (:func:`.profile.caches_disabled`)."""
+        from .profile import caches_disabled, default_loss
 
         loss_fn = loss_fn or default_loss
         parameters = list(model.parameters())
         for parameter in parameters:
             parameter.grad = None
         alive = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        with memory.peak(model, *alive, timeline=True) as result:
-            with memory.saved_bytes(model) as saved:
-                loss = loss_fn(model(*inputs, **kwargs))
-            loss.backward()
-            del loss
-        times = []
-        for _ in range(steps):
-            for parameter in parameters:
-                parameter.grad = None
-            start = time.perf_counter()
-            loss_fn(model(*inputs, **kwargs)).backward()
-            times.append(time.perf_counter() - start)
+        with caches_disabled(model):
+            with memory.peak(model, *alive, timeline=True) as result:
+                with memory.saved_bytes(model) as saved:
+                    loss = loss_fn(model(*inputs, **kwargs))
+                loss.backward()
+                del loss
+            times = []
+            for _ in range(steps):
+                for parameter in parameters:
+                    parameter.grad = None
+                start = time.perf_counter()
+                loss_fn(model(*inputs, **kwargs)).backward()
+                times.append(time.perf_counter() - start)
         for parameter in parameters:
             parameter.grad = None
         per_block = {}
