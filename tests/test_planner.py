@@ -247,3 +247,158 @@ def test_replan_uses_the_profile_only(mlp_plan):
     )
     with pytest.raises(FewBitError, match="smallest feasible"):
         plan.replan(0.01)
+
+
+# --- stock Hugging Face models -----------------------------------------------------------------------------------
+def _stock_model(kind: str) -> nn.Module:
+    """A Hugging Face causal LM from its default config except tiny sizes; ``use_cache`` stays at its default
+    (True), which returns the key/value cache from every training step."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    if kind == "gpt2":
+        config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=64)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            num_hidden_layers=2, hidden_size=32, intermediate_size=64, num_attention_heads=2, num_key_value_heads=2,
+            vocab_size=64, max_position_embeddings=64,
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+    assert model.config.use_cache is True
+    return model.train()
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "llama"])
+def test_stock_causal_lm_with_its_cache_on_plans_and_trains(kind):
+    """Regression: ``use_cache=True`` (the default) made profiling fail with "Trying to backward through the graph
+    a second time"; the planner turns caches off while it runs the model and puts the setting back."""
+    tokens = torch.randint(0, 64, (4, 32))
+    model = _stock_model(kind)
+    plans = [
+        runtime.plan_memory(model, tokens, budget=budget, example_kwargs={"labels": tokens}, repeats=1)
+        for budget in (0.75, "min")  # LLaMA at this size: the smallest feasible peak is 64% of unconverted
+    ]
+    assert model.config.use_cache is True
+    for plan in plans:
+        assert plan.predicted_peak_bytes <= plan.budget_bytes
+        applied = plan.apply(_stock_model(kind))
+        plan.measure(applied, tokens, labels=tokens, steps=1)
+        assert applied.config.use_cache is True
+        optimizer = torch.optim.SGD(applied.parameters(), lr=0.1)
+        loss = applied(tokens, labels=tokens).loss
+        loss.backward()
+        optimizer.step()
+        assert math.isfinite(loss.item())
+
+
+# --- exact unless needed ---------------------------------------------------------------------------------------
+_NAMED = ("plain", "fewbit", "checkpoint", "fewbit+checkpoint")
+
+
+def _approximate_count(names) -> int:
+    return sum("fewbit" in name for name in names)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_if_needed_uses_the_fewest_approximate_blocks_that_fit(seed):
+    """Brute force over every combination: "if-needed" has the fewest few-bit blocks of all plans that fit (none
+    when an exact plan fits), and is the fastest of those (the unconverted chain where it fits); "allowed" is the
+    fastest plan that fits."""
+    from fewbit_design.runtime.planner.plan import choose
+
+    rng = random.Random(2000 + seed)
+    chain = _random_chain(rng, rng.randint(1, 4))
+    chain = ChainCosts(
+        tuple(
+            BlockCosts(b.name, b.input_bytes, b.output_bytes, b.gradient_bytes,
+                       tuple(OptionCost(_NAMED[k], *list(vars(o).values())[1:]) for k, o in enumerate(b.options)))
+            for b in chain.blocks
+        ),
+        chain.entry_bytes, chain.pre_forward_peak, chain.post_forward_peak, chain.post_bytes, chain.pre_backward_peak,
+    )  # fmt: skip
+    combos = [(replay(chain, c), [o.option for o in c]) for c in itertools.product(*(b.options for b in chain.blocks))]
+    settings = {"objective": "time", "bits": 3, "blpa_bits": 4, "offload": {}}
+    for budget in sorted({r.peak for r, _ in combos})[:: max(1, len(combos) // 5)]:
+        fitting = [(r, names) for r, names in combos if r.peak <= budget]
+        fewest = min(_approximate_count(names) for _, names in fitting)
+        fastest = min(r.seconds for r, names in fitting if _approximate_count(names) == fewest)
+        plain = [(r, names) for r, names in fitting if set(names) == {"plain"}]
+        if plain:  # the unconverted chain fits: it is the plan, even where a technique profiled faster
+            fastest = plain[0][0].seconds
+        for rule, expected_count, expected_seconds in [
+            ("if-needed", fewest, fastest),
+            ("allowed", None, min(r.seconds for r, _ in fitting)),
+        ]:
+            plan = choose("", chain, {}, baseline=0, step_seconds=1.0, settings={**settings, "approximate": rule},
+                          budget=budget, allow=("fewbit", "checkpoint"))  # fmt: skip
+            result = replay(chain, [b.option(n) for b, n in zip(chain.blocks, plan.choices, strict=True)])
+            assert result.peak <= budget
+            if expected_count is not None:
+                assert _approximate_count(plan.choices) == expected_count, (rule, budget, plan.choices)
+            assert math.isclose(result.seconds, expected_seconds, rel_tol=1e-9), (rule, budget, plan.choices)
+
+
+def _with_fast_fewbit(plan: MemoryPlan, approximate: str | None) -> MemoryPlan:
+    """``plan`` with its option "fewbit" profiled as the fastest of all (seconds 0), as happens on a noisy machine;
+    ``approximate=None``: a plan saved before the setting existed (no ``settings.approximate``)."""
+    import dataclasses
+
+    blocks = tuple(
+        dataclasses.replace(b, options=tuple(
+            dataclasses.replace(o, seconds=0.0) if o.option == "fewbit" else o for o in b.options
+        ))
+        for b in plan.costs.blocks
+    )  # fmt: skip
+    settings = {k: v for k, v in plan.settings.items() if k != "approximate"}
+    if approximate is not None:
+        settings["approximate"] = approximate
+    return dataclasses.replace(plan, costs=dataclasses.replace(plan.costs, blocks=blocks), settings=settings)
+
+
+def test_a_budget_the_unconverted_model_fits_changes_nothing(mlp_plan):
+    """Regression: at a 100% budget the plan turned few-bit on (approximate gradients) because it profiled
+    faster; by default a plan uses an approximate technique only where no exact plan fits."""
+    plan, x = mlp_plan
+    assert plan.settings["approximate"] == "if-needed"
+    fast = _with_fast_fewbit(plan, "if-needed")
+    for budget in (None, 1.0, fast.unconverted_peak_bytes):
+        same = fast.replan(budget)
+        assert same.choices == ("plain",) * len(plan.choices), budget
+        assert same.approximate_blocks() == [] and "no block (exact)" in same.report()
+    # the opt-in keeps the fastest plan whatever the gradients
+    assert set(fast.replan(1.0, approximate="allowed").choices) == {"fewbit"}
+    # at a budget below what exact techniques reach, few-bit comes in, and the report says why
+    exact_minimum = fast.replan("min", allow=("checkpoint", "offload")).predicted_peak_bytes
+    overall_minimum = fast.replan("min").predicted_peak_bytes
+    assert overall_minimum < exact_minimum
+    tight = fast.replan(overall_minimum)
+    assert tight.approximate_blocks() and "(no exact plan fits the budget)" in tight.report()
+    assert tight.settings["approximate"] == "if-needed"
+
+
+def test_plan_memory_at_full_budget_is_plain():
+    x = torch.randn(128, 64)
+    plan = runtime.plan_memory(_mlp(), x, budget=1.0, offload_min_bytes=1 << 14, repeats=1)
+    assert plan.choices == ("plain",) * 4
+    assert plan.approximate_blocks() == []
+
+
+def test_approximate_setting_is_saved_and_old_plans_read_as_allowed(mlp_plan, tmp_path):
+    plan, _ = mlp_plan
+    allowed = _with_fast_fewbit(plan, "allowed")
+    allowed.save(tmp_path / "allowed.json")
+    loaded = load_plan(tmp_path / "allowed.json")
+    assert loaded.settings["approximate"] == "allowed" and loaded == allowed
+    assert set(loaded.replan(1.0).choices) == {"fewbit"}
+    # a plan saved before the setting existed loads; its rule is the one its choices were made by: "allowed"
+    old = _with_fast_fewbit(plan, None)
+    data = old.to_dict()
+    assert "approximate" not in data["settings"]
+    old = MemoryPlan.from_dict(data)
+    assert set(old.replan(1.0).choices) == {"fewbit"}
+    assert old.replan(1.0, approximate="if-needed").choices == ("plain",) * len(plan.choices)
+    data["settings"]["approximate"] = "sometimes"
+    with pytest.raises(FewBitError, match="settings.approximate must be 'if-needed' or 'allowed', got 'sometimes'"):
+        MemoryPlan.from_dict(data)
+    with pytest.raises(FewBitError, match="approximate must be 'if-needed' or 'allowed', got 'always'"):
+        runtime.plan_memory(_mlp(), torch.randn(4, 64), approximate="always")

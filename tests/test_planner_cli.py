@@ -51,6 +51,15 @@ def test_memory_command_plans_saves_and_plots(factory, tmp_path, capsys):
     assert figure.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     code, _, err = _run(args + ["--save", str(plan_path)], capsys)  # exists, no --force
     assert code == 2 and "exists" in err
+    assert plan.settings["approximate"] == "if-needed"
+
+
+def test_memory_command_passes_the_approximate_rule(factory, tmp_path, capsys):
+    plan_path = tmp_path / "plan.json"
+    args = ["memory", f"{factory}:mlp", "--input-shape", "128,32", "--budget", "min", "--approximate", "allowed"]
+    code, out, err = _run(args + ["--save", str(plan_path)], capsys)
+    assert code == 0, err
+    assert load_plan(plan_path).settings["approximate"] == "allowed"
 
 
 @pytest.mark.parametrize(
@@ -65,6 +74,7 @@ def test_memory_command_plans_saves_and_plots(factory, tmp_path, capsys):
         (["{m}:mlp", "--input-shape", "4,32", "--allow", "fewbit,magic"], "--allow"),
         (["{m}:mlp", "--input-shape", "4,32", "--budget", "lots"], "budget"),
         (["{m}:mlp", "--input-shape", "4,32", "--plot", "x.gif"], "--plot"),
+        (["{m}:mlp", "--input-shape", "4,32", "--approximate", "always"], "--approximate"),
     ],
 )
 def test_bad_input_is_one_line_and_exit_2(factory, capsys, args, message):

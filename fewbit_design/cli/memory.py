@@ -227,12 +227,21 @@ def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> Non
 )
 @click.option("--bits", type=int, default=3, show_default=True, help="Few-bit table bits.")
 @click.option("--objective", type=click.Choice(["time", "memory"]), default="time", show_default=True)
+@click.option(
+    "--approximate",
+    type=click.Choice(["if-needed", "allowed"]),
+    default="if-needed",
+    show_default=True,
+    help="Few-bit and BLPA (approximate gradients) only where no exact plan fits the budget, or wherever faster.",
+)
 @click.option("--chain", default=None, help="Qualified name of the Sequential/ModuleList to plan over.")
 @click.option("--measure", is_flag=True, help="Apply the plan to a fresh model and measure one step.")
 @click.option("--plot", "plot_path", default=None, help="Write the figure (png, pdf, svg).")
 @click.option("--save", "save_path", default=None, help="Write the plan as JSON.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
-def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measure, plot_path, save_path, force):
+def memory(
+    factory, shapes, vocab, budget, allow, bits, objective, approximate, chain, measure, plot_path, save_path, force
+):
     """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget."""
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
@@ -250,7 +259,14 @@ def memory(factory, shapes, vocab, budget, allow, bits, objective, chain, measur
     check_model_runs(model, inputs, factory, vocab)
     try:
         plan = planner.plan_memory(
-            model, *inputs, budget=budget_value, allow=allowed, bits=bits, objective=objective, chain=chain
+            model,
+            *inputs,
+            budget=budget_value,
+            allow=allowed,
+            bits=bits,
+            objective=objective,
+            approximate=approximate,
+            chain=chain,
         )
         if measure:
             fresh = plan.apply(_build(function, factory))

@@ -28,12 +28,23 @@ How it decides (the algorithm, stated; :mod:`.model` has the details and the pro
 3. **Predict** (:func:`.model.replay`): the step's live bytes event by event, so the report shows the predicted
    peak; :meth:`MemoryPlan.measure` measures the real one with :func:`memory.peak`.
 
-Few-bit and BLPA change gradients slightly: the report lists the blocks where the plan uses them, and
-``allow=("checkpoint", "offload")`` keeps gradients exact. Reversible layers change the architecture, so they
+Few-bit and BLPA change gradients slightly: by default (``approximate="if-needed"``) the plan uses them only where
+no exact plan fits the budget, ``approximate="allowed"`` takes the fastest plan whatever the gradients, and
+``allow=("checkpoint", "offload")`` keeps gradients exact at any budget; the report lists the blocks where the plan
+uses them. Reversible layers change the architecture, so they
 are never inserted; the report estimates what a reversible chain would save.
 """
 
-from .plan import FORMAT, OBJECTIVES, MemoryPlan, format_bytes, load_plan, plan_memory
+from .plan import APPROXIMATE_CHOICES, FORMAT, OBJECTIVES, MemoryPlan, format_bytes, load_plan, plan_memory
 from .techniques import TECHNIQUES
 
-__all__ = ["plan_memory", "load_plan", "MemoryPlan", "TECHNIQUES", "OBJECTIVES", "FORMAT", "format_bytes"]
+__all__ = [
+    "plan_memory",
+    "load_plan",
+    "MemoryPlan",
+    "TECHNIQUES",
+    "OBJECTIVES",
+    "APPROXIMATE_CHOICES",
+    "FORMAT",
+    "format_bytes",
+]

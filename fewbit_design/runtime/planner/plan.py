@@ -9,7 +9,7 @@ import os
 import statistics
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -18,10 +18,19 @@ from ...errors import FewBitError, check_choice, check_keys, parse_budget, resol
 from .. import memory
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
 from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
-from .schema import OBJECTIVES, check_plan, costs_from_json
+from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
 from .techniques import TECHNIQUES, CheckpointedForward, apply_option, parse_option
 
-__all__ = ["plan_memory", "MemoryPlan", "load_plan", "choose", "format_bytes", "FORMAT", "OBJECTIVES"]
+__all__ = [
+    "plan_memory",
+    "MemoryPlan",
+    "load_plan",
+    "choose",
+    "format_bytes",
+    "FORMAT",
+    "OBJECTIVES",
+    "APPROXIMATE_CHOICES",
+]
 
 FORMAT = "fewbit-memory-plan/1"
 #: a plan file holds a few KB per block (its profile) and a timeline of at most about 400 events
@@ -60,7 +69,9 @@ class MemoryPlan:
         budget_bytes: the budget (bytes for the whole step: parameters, inputs and everything allocated in it).
         baseline_bytes: parameters, buffers and example inputs (alive before the step).
         step_seconds: the measured time of one plain training step of the whole model.
-        settings: ``allow``, ``bits``, ``blpa_bits``, ``objective`` and the offload options.
+        settings: ``allow``, ``approximate``, ``bits``, ``blpa_bits``, ``objective`` and the offload options
+            (``approximate`` is absent in plans saved before it existed: they read as ``"allowed"``, the rule
+            their choices were made by).
         measured: after :meth:`measure`: ``peak_bytes`` (whole step, like the prediction), ``step_seconds``,
             ``saved_bytes`` per block and a ``timeline``; None before.
         fingerprint: per block of the chain, its class and parameter shapes (see
@@ -139,20 +150,28 @@ class MemoryPlan:
 
     # --- planning again from the same profile ---------------------------------------------------------------
     def replan(
-        self, budget: int | str | float | None = None, *, allow: Any = None, objective: str = "time"
+        self,
+        budget: int | str | float | None = None,
+        *,
+        allow: Any = None,
+        objective: str = "time",
+        approximate: str | None = None,
     ) -> MemoryPlan:
         """A new plan from this plan's profile (no model run): another ``budget`` (as in ``plan_memory``), a subset
-        of the profiled techniques (``allow``), or another ``objective``. Raises :class:`FewBitError` when nothing
+        of the profiled techniques (``allow``), another ``objective``, or another rule for approximate techniques
+        (``approximate``, as in ``plan_memory``; default: this plan's). Raises :class:`FewBitError` when nothing
         fits."""
         self.validate()
         allow = tuple(self.settings["allow"]) if allow is None else allow
+        if approximate is None:
+            approximate = self.settings.get("approximate", APPROXIMATE_DEFAULT)
         return choose(
             self.chain,
             self.costs,
             dict(self.facts),
             baseline=self.baseline_bytes,
             step_seconds=self.step_seconds,
-            settings={**self.settings, "objective": objective},
+            settings={**self.settings, "objective": objective, "approximate": approximate},
             budget=budget,
             allow=allow,
             fingerprint=self.fingerprint,
@@ -222,26 +241,28 @@ class MemoryPlan:
     ) -> dict[str, Any]:
         """Run one training step of the applied ``model`` under :func:`memory.peak` and :func:`memory.saved_bytes`,
         then ``steps`` timed steps; gradients are set to None before and after (no optimizer step). The result is
-        kept in ``measured`` (and shown by :meth:`report`)."""
-        from .profile import default_loss
+        kept in ``measured`` (and shown by :meth:`report`). Caches are off meanwhile, as when profiling
+        (:func:`.profile.caches_disabled`)."""
+        from .profile import caches_disabled, default_loss
 
         loss_fn = loss_fn or default_loss
         parameters = list(model.parameters())
         for parameter in parameters:
             parameter.grad = None
         alive = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
-        with memory.peak(model, *alive, timeline=True) as result:
-            with memory.saved_bytes(model) as saved:
-                loss = loss_fn(model(*inputs, **kwargs))
-            loss.backward()
-            del loss
-        times = []
-        for _ in range(steps):
-            for parameter in parameters:
-                parameter.grad = None
-            start = time.perf_counter()
-            loss_fn(model(*inputs, **kwargs)).backward()
-            times.append(time.perf_counter() - start)
+        with caches_disabled(model):
+            with memory.peak(model, *alive, timeline=True) as result:
+                with memory.saved_bytes(model) as saved:
+                    loss = loss_fn(model(*inputs, **kwargs))
+                loss.backward()
+                del loss
+            times = []
+            for _ in range(steps):
+                for parameter in parameters:
+                    parameter.grad = None
+                start = time.perf_counter()
+                loss_fn(model(*inputs, **kwargs)).backward()
+                times.append(time.perf_counter() - start)
         for parameter in parameters:
             parameter.grad = None
         per_block = {}
@@ -310,8 +331,11 @@ class MemoryPlan:
                 f"measured step time {self.measured['step_seconds'] * 1e3:.1f} ms"
             )
         approximate = self.approximate_blocks()
+        needed = self.settings.get("approximate", APPROXIMATE_DEFAULT) == "if-needed"
         lines.append(
-            "gradients changed (few-bit/BLPA) in: " + (", ".join(approximate) if approximate else "no block (exact)")
+            "gradients changed (few-bit/BLPA) in: "
+            + (", ".join(approximate) if approximate else "no block (exact)")
+            + (" (no exact plan fits the budget)" if approximate and needed else "")
         )
         reversible = self.reversible_estimate()
         lines.append(
@@ -429,11 +453,16 @@ def choose(
 ) -> MemoryPlan:
     """Optimise over a profile: the options of each block whose techniques are all in ``allow``. ``budget`` in the
     syntax of :func:`fewbit_design.errors.parse_budget`: a fraction is of the unconverted predicted peak, ``"min"``
-    the smallest feasible one."""
+    the smallest feasible one. ``settings["approximate"]`` (default ``"allowed"``) is the rule for approximate
+    techniques: ``"allowed"`` takes the fastest plan that fits; ``"if-needed"`` the plan with the fewest blocks of
+    approximate gradients that fits (none when an exact plan fits), and the fastest of those; and where the
+    unconverted model fits the budget, the unconverted model (every block plain: a technique only adds work, so
+    one that profiled faster than plain did so by timing noise)."""
     if isinstance(allow, str):
         allow = (allow,)
     allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
     objective = check_choice("objective", settings["objective"], OBJECTIVES)
+    approximate = check_choice("approximate", settings.get("approximate", APPROXIMATE_DEFAULT), APPROXIMATE_CHOICES)
     allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
     plain = replay(costs, [b.option("plain") for b in costs.blocks]).peak
     smallest = minimum_budget(costs, allowed)
@@ -441,7 +470,10 @@ def choose(
         target = plain if budget is None and objective == "time" else smallest
     else:
         target = resolve_budget(budget, unconverted=baseline + plain, minimum=lambda: baseline + smallest) - baseline
-    choices = optimise(costs, target, allowed)
+    if approximate == "if-needed" and plain <= target:
+        choices = ["plain"] * len(costs.blocks)  # nothing to save: a technique is faster than plain only by noise
+    else:
+        choices = optimise(_exact_first(costs) if approximate == "if-needed" else costs, target, allowed)
     if choices is None:
         raise FewBitError(
             f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
@@ -456,10 +488,29 @@ def choose(
         budget_bytes=target + baseline,
         baseline_bytes=baseline,
         step_seconds=step_seconds,
-        settings={**settings, "allow": allow},
+        settings={**settings, "allow": allow, "approximate": approximate},
         facts=facts,
         fingerprint=fingerprint,
     )
+
+
+def _exact_first(costs: ChainCosts) -> ChainCosts:
+    """``costs`` with every approximate option (few-bit, BLPA) made slower by more than any plan's whole time, so
+    that the least-time plan of :func:`.model.optimise` has the fewest approximate blocks that fit the budget (none
+    when an exact plan fits), and among those the least real time. The bytes are unchanged: which plans fit is
+    the same."""
+    penalty = 1.0 + 2 * sum(max(o.seconds for o in block.options) for block in costs.blocks)
+    blocks = tuple(
+        replace(
+            block,
+            options=tuple(
+                replace(o, seconds=o.seconds + penalty) if set(parse_option(o.option)) & set(APPROXIMATE) else o
+                for o in block.options
+            ),
+        )
+        for block in costs.blocks
+    )
+    return replace(costs, blocks=blocks)
 
 
 def plan_memory(
@@ -470,6 +521,7 @@ def plan_memory(
     bits: int = 3,
     blpa_bits: int = 4,
     objective: str = "time",
+    approximate: str = "if-needed",
     chain: str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     offload_min_bytes: int = 1 << 20,
@@ -478,7 +530,8 @@ def plan_memory(
     example_kwargs: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """Profile ``model`` on example inputs once and choose per block of its chain the fastest combination of
-    techniques whose predicted peak fits ``budget`` (see :mod:`fewbit_design.runtime.planner` for the algorithm).
+    techniques whose predicted peak fits ``budget`` (see :mod:`fewbit_design.runtime.planner` for the algorithm),
+    with exact gradients unless no exact plan fits (``approximate``).
 
     Args:
         model: the model in training mode; it is run, not changed (gradients, buffers and the random state are
@@ -492,6 +545,11 @@ def plan_memory(
         bits: few-bit table bits; ``blpa_bits``: BLPA's bits (2..8).
         objective: ``"time"`` (the fastest plan within the budget) or ``"memory"`` (the smallest feasible peak,
             then the fastest plan at it; the budget is ignored).
+        approximate: when the plan may use the techniques that change gradients (few-bit, BLPA): ``"if-needed"``
+            (default) only where no exact plan (checkpoint, offload, plain) fits the budget: in as few blocks as
+            the budget needs; and at a budget the unconverted model fits, the plan changes nothing (every block
+            plain). ``"allowed"``: the fastest plan whatever the gradients (few-bit wherever it profiled faster).
+            The report names the blocks with approximate gradients.
         chain: the qualified name of the chain (default: found, see :func:`.profile.find_chain`).
         loss_fn: the step's loss from the model's output (default: ``output.loss`` or the mean of the first
             floating-point tensor).
@@ -514,6 +572,7 @@ def plan_memory(
         allow = (allow,)
     allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
     check_choice("objective", objective, OBJECTIVES)
+    check_choice("approximate", approximate, APPROXIMATE_CHOICES)
     if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
         raise FewBitError(f"few-bit bits must be an integer in 1..8, got {bits!r}")
     if isinstance(blpa_bits, bool) or not isinstance(blpa_bits, int) or not 2 <= blpa_bits <= 8:
@@ -547,7 +606,14 @@ def plan_memory(
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
     container = model.get_submodule(chain_name) if chain_name else model
-    settings = {"allow": allow, "bits": bits, "blpa_bits": blpa_bits, "objective": objective, "offload": offload}
+    settings = {
+        "allow": allow,
+        "approximate": approximate,
+        "bits": bits,
+        "blpa_bits": blpa_bits,
+        "objective": objective,
+        "offload": offload,
+    }
     return choose(
         chain_name,
         costs,

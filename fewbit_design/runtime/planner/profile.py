@@ -11,14 +11,17 @@
    are measured once.
 
 Parameters' gradients, buffers (batch-norm statistics) and the random number generator are restored afterwards.
+Caches are off while profiling (:func:`caches_disabled`): a Hugging Face model's ``use_cache=True`` default makes
+every step return its key/value cache, which the blocks' recorded inputs would then carry from one run into the next.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -29,7 +32,30 @@ from ..checkpoint.profile import training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, changed_by, option_name, parse_option
 
-__all__ = ["find_chain", "profile_model", "default_loss"]
+__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled"]
+
+
+@contextlib.contextmanager
+def caches_disabled(model: torch.nn.Module) -> Iterator[None]:
+    """Set ``config.use_cache = False`` on every module with a config that has one (Hugging Face models; their
+    default is True) for the duration of the block, and put the previous values back afterwards, also on error.
+
+    With the cache on, each training step returns its keys and values (``past_key_values``) and each block receives
+    the cache object: the planner runs a block again on its recorded inputs, which would append to a cache that still
+    holds the first step's graph ("Trying to backward through the graph a second time"). A training step does not
+    use the cache, so turning it off changes no byte that the plan is about."""
+    configs = {}
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is not None and id(config) not in configs:
+            configs[id(config)] = (config, config.use_cache)
+    try:
+        for config, _ in configs.values():
+            config.use_cache = False
+        yield
+    finally:
+        for config, previous in configs.values():
+            config.use_cache = previous
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -306,7 +332,7 @@ def profile_model(
         raise FewBitError(f"{where} has no blocks: nothing to plan over")
     names = [f"{chain_name}.{key}" if chain_name else key for key in container._modules]
     loss_fn = loss_fn or default_loss
-    with training_state_kept(model), torch.random.fork_rng():
+    with training_state_kept(model), torch.random.fork_rng(), caches_disabled(model):
         facts, recorded = _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats)
         measure = _Measure(bits, blpa_bits, offload_options, repeats)
         costs = []

@@ -26,15 +26,30 @@ from ..checkpoint.fingerprint import check_fingerprint_value
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import TECHNIQUES, option_name, parse_option
 
-__all__ = ["OBJECTIVES", "check_plan", "costs_from_json", "OFFLOAD_REQUIRED", "OFFLOAD_OPTIONAL"]
+__all__ = [
+    "OBJECTIVES",
+    "APPROXIMATE_CHOICES",
+    "APPROXIMATE_DEFAULT",
+    "check_plan",
+    "costs_from_json",
+    "OFFLOAD_REQUIRED",
+    "OFFLOAD_OPTIONAL",
+]
 
 OBJECTIVES = ("time", "memory")
+#: when the plan may use approximate techniques (few-bit, BLPA): only where no exact plan fits the budget, or freely
+APPROXIMATE_CHOICES = ("if-needed", "allowed")
+#: ``settings.approximate`` of a plan saved before the setting existed: those plans were chosen by the fastest
+#: time whatever the gradients, so they read as "allowed" (the rule their choices were made by; a replan at their
+#: own budget gives the same plan)
+APPROXIMATE_DEFAULT = "allowed"
 OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
 BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
 CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
 #: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
 SIGNED_CHAIN_FIELDS = ("post_forward_peak", "post_bytes")
 SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
+SETTINGS_OPTIONAL = ("approximate",)  # absent in plans saved before it existed (APPROXIMATE_DEFAULT)
 OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
 OFFLOAD_OPTIONAL = ("max_host_bytes", "directory")  # offload.apply's other arguments, for a plan edited by hand
 FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
@@ -119,7 +134,7 @@ def _check_costs(chain: str, costs: Any) -> None:
 
 
 def _check_settings(settings: Any) -> tuple[str, ...]:
-    check_keys("settings", settings, SETTINGS_FIELDS)
+    check_keys("settings", settings, SETTINGS_FIELDS, SETTINGS_OPTIONAL)
     allow = settings["allow"]
     if not isinstance(allow, tuple | list):
         raise FewBitError(f"settings.allow must be a list of techniques, got {show(allow)}")
@@ -130,6 +145,8 @@ def _check_settings(settings: Any) -> tuple[str, ...]:
     check_integer("settings.bits", settings["bits"], low=1, high=8)
     check_integer("settings.blpa_bits", settings["blpa_bits"], low=2, high=8)
     check_choice("settings.objective", settings["objective"], OBJECTIVES)
+    if "approximate" in settings:
+        check_choice("settings.approximate", settings["approximate"], APPROXIMATE_CHOICES)
     offload = check_keys("settings.offload", settings["offload"], OFFLOAD_REQUIRED, OFFLOAD_OPTIONAL)
     from ..offload import TARGETS  # offload's own choices and ranges (offload.apply checks them again)
 
