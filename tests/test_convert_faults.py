@@ -14,9 +14,9 @@ import json
 import tracemalloc
 from collections import OrderedDict
 
-import numpy as np
 import pytest
 import torch
+from test_runtime_modules import oracle_grad
 
 from fewbit_design import runtime
 from fewbit_design.design import activations
@@ -28,15 +28,6 @@ from fewbit_design.runtime._packing import packed_nbytes
 from fewbit_design.runtime.fewbit import ops as op
 
 convert_module = importlib.import_module("fewbit_design.runtime.fewbit.convert")
-
-
-def oracle_grad(table, x, grad):
-    values = x.detach().reshape(-1).to(torch.float64).numpy()
-    codes = table.codes[np.searchsorted(table.boundaries, values, side="right")]
-    compute = torch.float64 if grad.dtype == torch.float64 else torch.float32
-    levels = table.levels.astype(np.float64 if compute == torch.float64 else np.float32)[codes]
-    product = grad.detach().reshape(-1).to(compute).numpy() * levels
-    return torch.from_numpy(product).to(grad.dtype).reshape(grad.shape)
 
 
 def input_grad(module, x, grad):
