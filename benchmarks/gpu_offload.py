@@ -143,9 +143,8 @@ def main(argv: list[str] | None = None) -> int:
         args.min_bytes = 0
     if args.out is None:  # a dry run never overwrites measured results
         args.out = harness.scratch("gpu_offload-tiny.csv") if args.tiny else harness.RESULTS / "gpu_offload.csv"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("gpu_offload: no CUDA device; use --tiny for a dry run on CPU", file=sys.stderr)
+    device = harness.gpu_or_dry_run("gpu_offload", args.tiny)
+    if device is None:
         return 2
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     batch = max(1, round(8 * args.scale))

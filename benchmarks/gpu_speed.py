@@ -171,9 +171,8 @@ def main(argv: list[str] | None = None) -> int:
         args.activations, args.bits, args.dtypes, args.sizes, args.repeats = "gelu,relu", "1,3", "bfloat16", "8,10", 2
     if args.out is None:  # a dry run never overwrites measured results
         args.out = harness.scratch("gpu_speed-tiny.csv") if args.tiny else harness.RESULTS / "gpu_speed.csv"
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if device.type == "cpu" and not args.tiny:
-        print("gpu_speed: no CUDA device; use --tiny for a dry run on CPU", file=sys.stderr)
+    device = harness.gpu_or_dry_run("gpu_speed", args.tiny)
+    if device is None:
         return 2
     # on CPU the dry run goes through the Triton launchers (interpreted) when it can: the code path of the GPU
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"

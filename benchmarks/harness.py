@@ -146,6 +146,21 @@ def cuda_synchronize(device) -> Callable[[], object] | None:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else None
 
 
+def gpu_or_dry_run(script: str, tiny: bool):
+    """The CUDA device for a GPU benchmark; on a machine without one, the CPU for a ``--tiny`` dry run, else ``None``
+    after one line on stderr (the caller exits with status 2)."""
+    import sys
+
+    import torch
+
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if tiny:
+        return torch.device("cpu")
+    print(f"{script}: no CUDA device; use --tiny for a dry run on CPU", file=sys.stderr)
+    return None
+
+
 def measure(
     candidates: Mapping[str, Callable[[], object]],
     *,
