@@ -45,9 +45,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]  # fewbit_design from this checkout
 
 import harness  # noqa: E402
 
-from fewbit_design.runtime.planner import MemoryPlan, plan_memory  # noqa: E402
+from fewbit_design.runtime.planner import TECHNIQUES, MemoryPlan, plan_memory  # noqa: E402
 
-TECHNIQUES = ("fewbit", "blpa", "checkpoint", "offload")
 MIB = 2.0**20
 
 
@@ -253,7 +252,7 @@ def sweep(model_name: str, steps: int, repeats: int, device: str = "cpu", shape:
         ("unconverted", "unconverted", base.replan(None, allow=()), math.nan)
     ]
     for technique in TECHNIQUES:
-        if any(technique in o.option for b in base.costs.blocks for o in b.options):
+        if any(technique in o.option.split("+") for b in base.costs.blocks for o in b.options):
             configs.append((f"{technique} alone", "single", base.replan("min", allow=(technique,)), math.nan))
     for k, budget in enumerate(budgets):
         configs.append((f"plan @ budget {k + 1}/5", "plan", base.replan(budget), budget))

@@ -25,9 +25,6 @@ from ._options import cli
 
 __all__ = ["memory", "plot_plan", "load_factory", "parse_shape", "example_inputs", "check_model_runs"]
 
-TECHNIQUES = ("fewbit", "blpa", "checkpoint", "offload")
-
-
 #: Largest size of a tensor dimension and of a whole example input, in elements (torch counts them in int64).
 MAX_ELEMENTS = 2**62
 
@@ -149,6 +146,8 @@ def _raised(error: BaseException) -> str:
 
 
 def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
+    from ..runtime.planner.techniques import TECHNIQUES  # the registered techniques
+
     chosen: list[str] = []
     for value in values:
         for part in value.split(","):

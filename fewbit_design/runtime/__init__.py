@@ -11,6 +11,8 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
 * :mod:`.offload`: saved-tensor offloading to disk (CPU) or pinned host memory (CUDA).
 * :mod:`.planner`: :func:`plan_memory`, which combines the techniques under a memory budget.
+* :mod:`.registry`: the technique contract (:class:`~.registry.Technique`: seam, exactness, config, ``apply``, cost
+  model) and the list of techniques the planner combines; each technique folder's ``technique.py`` fills it in.
 * :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward, peak of live bytes).
 * :mod:`._packing` and :mod:`._numba_packing`: bit packing shared by the kernels of every technique.
 
@@ -42,7 +44,7 @@ _LAZY = {
     **{
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
-        + ("blpa", "reversible", "checkpoint", "offload", "planner")
+        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "load_table": ("fewbit.tables", "load_table"),

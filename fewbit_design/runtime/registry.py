@@ -58,6 +58,8 @@ class Technique:
             config)``, once for all blocks that run under it, and returns a handle (``.remove()`` undoes it).
         region: ``region`` seam only: ``region(config)``, the context the profiler runs one block under; its
             value has ``.bytes``, what left memory.
+        check: ``check(block, config)`` raises :class:`FewBitError` when ``apply`` would refuse ``block`` (run on
+            every block before a plan changes any, so that applying a plan is all or nothing). Default: no check.
         changes: ``changes(block, config)``, whether ``apply`` would change ``block`` (the planner measures only
             such options). Default: a ``module``-seam technique changes a block when applying it to a copy changes
             the block's module types; the other seams change every block.
@@ -76,6 +78,7 @@ class Technique:
     config: Callable[[Mapping[str, Any]], Any]
     apply: Callable[..., Any]
     region: Callable[[Any], AbstractContextManager] | None = None
+    check: Callable[[torch.nn.Module, Any], None] | None = None
     changes: Callable[[torch.nn.Module, Any], bool] | None = None
     cost: Callable[[Any, Mapping[str, int]], Any] = _unchanged
     excludes: frozenset[str] = field(default_factory=frozenset)

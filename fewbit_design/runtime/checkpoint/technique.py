@@ -15,9 +15,13 @@ from ..registry import Technique
 from .apply import CheckpointedForward
 
 
-def _apply(block: torch.nn.Module, config: None) -> torch.nn.Module:
+def _check(block: torch.nn.Module, config: None) -> None:
     if isinstance(block.__dict__.get("forward"), CheckpointedForward):
-        raise FewBitError("the block is checkpointed already; it cannot be checkpointed twice")
+        raise FewBitError("the block is checkpointed already (checkpoint.apply?); it cannot be checkpointed twice")
+
+
+def _apply(block: torch.nn.Module, config: None) -> torch.nn.Module:
+    _check(block, config)
     block.forward = CheckpointedForward(block, selective=False)  # checkpoint.apply's per-block wrapper
     return block
 
@@ -33,5 +37,6 @@ TECHNIQUE = Technique(
     exact=True,
     config=lambda settings: None,
     apply=_apply,
+    check=_check,
     cost=_cost,
 )

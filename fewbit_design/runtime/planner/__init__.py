@@ -10,8 +10,10 @@
 >>> model = plan.apply(model)                                                              # doctest: +SKIP
 >>> plan.save("plan.json"); runtime.load_plan("plan.json").apply(other_model)              # doctest: +SKIP
 
-Where things are: :func:`plan_memory` and :class:`MemoryPlan` in :mod:`.plan`, the techniques' options in
-:mod:`.techniques`, the plan file's schema in :mod:`.schema`.
+Where things are: :func:`plan_memory` and :class:`MemoryPlan` in :mod:`.plan`, options (combinations of the
+techniques of :mod:`fewbit_design.runtime.registry`, applied through their contract) in :mod:`.techniques`, the plan
+file's schema in :mod:`.schema`. The planner knows no technique by name: each registered technique gives its seam,
+whether its gradients are exact, its config, ``apply`` and its cost model (how a measured option is charged).
 
 How it decides (the algorithm, stated; :mod:`.model` has the details and the proof sketch):
 

@@ -19,7 +19,7 @@ from .. import memory
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
 from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
 from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
-from .techniques import TECHNIQUES, CheckpointedForward, apply_option, parse_option
+from .techniques import TECHNIQUES, apply_option, apply_regions, check_choices, is_exact, parse_option
 
 __all__ = [
     "plan_memory",
@@ -35,7 +35,6 @@ __all__ = [
 FORMAT = "fewbit-memory-plan/1"
 #: a plan file holds a few KB per block (its profile) and a timeline of at most about 400 events
 MAX_PLAN_BYTES = 64 * 2**20
-APPROXIMATE = ("fewbit", "blpa")  # techniques that change gradients
 
 
 def format_bytes(nbytes: float) -> str:
@@ -134,9 +133,7 @@ class MemoryPlan:
     def approximate_blocks(self) -> list[str]:
         """The blocks whose gradients the plan changes (few-bit or BLPA)."""
         return [
-            block.name
-            for block, choice in zip(self.costs.blocks, self.choices, strict=True)
-            if any(t in APPROXIMATE for t in parse_option(choice))
+            block.name for block, choice in zip(self.costs.blocks, self.choices, strict=True) if not is_exact(choice)
         ]
 
     def reversible_estimate(self) -> dict[str, float]:
@@ -207,26 +204,12 @@ class MemoryPlan:
                 "a memory plan was applied to this model already (apply changes the model in place); apply the plan "
                 "to a freshly built model"
             )
-        for block, name, choice in zip(blocks, expected, self.choices, strict=True):
-            if "checkpoint" in parse_option(choice) and isinstance(block.__dict__.get("forward"), CheckpointedForward):
-                raise FewBitError(
-                    f"block {name!r} is checkpointed already (checkpoint.apply?); the plan checkpoints it"
-                )
-        settings = self.settings
-        if any("offload" in parse_option(choice) for choice in self.choices):
-            from .. import offload
-
-            offload.saved_tensors(**settings["offload"])  # offload's own checks and folder probe, before any change
-        offloaded = []
-        for key, choice in zip(keys, self.choices, strict=True):
-            block = apply_option(container, key, choice, bits=settings["bits"], blpa_bits=settings["blpa_bits"])
-            if "offload" in parse_option(choice):
-                offloaded.append(block)
-        if offloaded:
-            from .. import offload
-
-            handle = offload.apply(model, offloaded, **settings["offload"])
-            model.fewbit_offload = handle  # keeps .stats reachable; handle.remove() undoes the offloading
+        check_choices(expected, blocks, self.choices, self.settings)  # before any change
+        for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
+            blocks[index] = apply_option(container, key, choice, self.settings)
+        handles = apply_regions(model, blocks, self.choices, self.settings)
+        if "offload" in handles:
+            model.fewbit_offload = handles["offload"]  # keeps .stats reachable; handle.remove() undoes the offloading
         model.fewbit_memory_plan = self
         return model
 
@@ -504,8 +487,7 @@ def _exact_first(costs: ChainCosts) -> ChainCosts:
         replace(
             block,
             options=tuple(
-                replace(o, seconds=o.seconds + penalty) if set(parse_option(o.option)) & set(APPROXIMATE) else o
-                for o in block.options
+                replace(o, seconds=o.seconds + penalty) if not is_exact(o.option) else o for o in block.options
             ),
         )
         for block in costs.blocks
@@ -597,9 +579,7 @@ def plan_memory(
         dict(example_kwargs or {}),
         chain=chain,
         allow=allow,
-        bits=bits,
-        blpa_bits=blpa_bits,
-        offload_options=offload,
+        settings={"bits": bits, "blpa_bits": blpa_bits, "offload": offload},
         loss_fn=loss_fn,
         repeats=repeats,
     )

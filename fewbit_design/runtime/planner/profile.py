@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import itertools
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +29,7 @@ from ...errors import FewBitError
 from .. import memory
 from ..checkpoint.profile import training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
-from .techniques import apply_option, changed_by, option_name, parse_option
+from .techniques import apply_option, candidate_options, charge, option_region
 
 __all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled"]
 
@@ -209,25 +208,16 @@ class _Seed(torch.autograd.Function):
 
 
 class _Measure:
-    def __init__(self, bits: int, blpa_bits: int, offload_options: dict, repeats: int) -> None:
-        self.bits, self.blpa_bits, self.offload_options, self.repeats = bits, blpa_bits, offload_options, repeats
+    def __init__(self, settings: dict[str, Any], repeats: int) -> None:
+        self.settings, self.repeats = settings, repeats
 
     def prepare(self, block: torch.nn.Module, option: str) -> torch.nn.Module:
         holder = torch.nn.ModuleDict({"block": copy.deepcopy(block)})
-        return apply_option(holder, "block", option, bits=self.bits, blpa_bits=self.blpa_bits)
-
-    def region(self, option: str):
-        if "offload" in parse_option(option):
-            from .. import offload
-
-            return offload.saved_tensors(**self.offload_options)
-        import contextlib
-
-        return contextlib.nullcontext()
+        return apply_option(holder, "block", option, self.settings)
 
     def step(self, module: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool) -> None:
         leaf = args[0].detach().requires_grad_(needs_grad)
-        with self.region(option):
+        with option_region(option, self.settings):
             output = module(leaf.view_as(leaf), *args[1:], **kwargs)
         hidden = _output_hidden(output)
         hidden.backward(torch.ones_like(hidden))
@@ -240,9 +230,8 @@ class _Measure:
             parameter.grad = None
         leaf = args[0].detach().requires_grad_(needs_grad)
         inp = leaf.view_as(leaf)  # a non-leaf, like a hidden state inside the chain
-        offloaded = 0
         with memory.peak() as p:
-            with memory.saved_bytes(module) as saved, self.region(option) as stats:
+            with memory.saved_bytes(module) as saved, option_region(option, self.settings) as region:
                 output = module(inp, *args[1:], **kwargs)
             hidden = _output_hidden(output)
             forward_peak, after_forward = p.peak_bytes, p.live_bytes
@@ -262,19 +251,13 @@ class _Measure:
                 inp.register_hook(lambda _grad: ends.append(p.peak_bytes))
             seed.backward()
             backward_peak = (ends[0] if ends else p.peak_bytes) - start
-        if stats is not None:
-            offloaded = stats.bytes
-        techniques = parse_option(option)
         extra = {
             "input_bytes": _nbytes(leaf),
             "output_bytes": output_bytes,
             "gradient_bytes": sum(_nbytes(q.grad) for q in module.parameters() if q.grad is not None),
             "saved_bytes": saved.total,
-            "offloaded_bytes": offloaded,
+            "offloaded_bytes": region.bytes,
         }
-        checkpointed = "checkpoint" in techniques
-        saves_input = saves_input or checkpointed  # a checkpoint holds its inputs for recomputation
-        saves_output = saves_output and not checkpointed
         del seed, inp
         times = []
         for _ in range(self.repeats):
@@ -292,22 +275,7 @@ class _Measure:
             saves_output=bool(saves_output),
             seconds=min(times),  # the least disturbed run (the machine may be shared)
         )
-        return cost, extra
-
-
-def candidate_options(block: torch.nn.Module, allow: tuple[str, ...], bits: int, blpa_bits: int) -> list[str]:
-    """The options worth measuring for ``block``: subsets of the allowed techniques that change it (offload and
-    checkpoint always apply; offload is not combined with checkpoint)."""
-    base = [t for t in ("blpa", "fewbit") if t in allow and changed_by(t, block, bits=bits, blpa_bits=blpa_bits)]
-    if "offload" in allow:
-        base.append("offload")
-    options = []
-    for size in range(len(base) + 1):
-        for subset in itertools.combinations(base, size):
-            options.append(option_name(subset))
-            if "checkpoint" in allow and "offload" not in subset:
-                options.append(option_name(subset + ("checkpoint",)))
-    return options
+        return charge(cost, option, extra), extra
 
 
 def profile_model(
@@ -317,9 +285,7 @@ def profile_model(
     *,
     chain: str | None,
     allow: tuple[str, ...],
-    bits: int,
-    blpa_bits: int,
-    offload_options: dict,
+    settings: dict[str, Any],
     loss_fn: Callable[[Any], torch.Tensor] | None,
     repeats: int,
 ) -> tuple[str, ChainCosts, dict]:
@@ -334,7 +300,7 @@ def profile_model(
     loss_fn = loss_fn or default_loss
     with training_state_kept(model), torch.random.fork_rng(), caches_disabled(model):
         facts, recorded = _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeats)
-        measure = _Measure(bits, blpa_bits, offload_options, repeats)
+        measure = _Measure(settings, repeats)
         costs = []
         cache: dict[tuple, tuple[list[OptionCost], dict]] = {}
         for index, (block, name) in enumerate(zip(blocks, names, strict=True)):
@@ -343,13 +309,12 @@ def profile_model(
             if signature not in cache:
                 options = []
                 plain_extra: dict = {}
-                for option in candidate_options(block, allow, bits, blpa_bits):
+                for option in candidate_options(block, allow, settings):
                     cost, extra = measure.cost(block, option, args, kwargs, needs_grad)
                     if option == "plain":
                         plain_extra = extra
-                    if "offload" in parse_option(option) and extra["offloaded_bytes"] == 0:
-                        continue  # nothing large enough to offload
-                    options.append(cost)
+                    if cost is not None:  # a technique's cost model drops an option that gains nothing
+                        options.append(cost)
                 cache[signature] = (options, plain_extra)
             options, extra = cache[signature]
             costs.append(

@@ -1,24 +1,44 @@
-"""Applying one option (a combination of techniques) to one block of the chain, in place.
+"""Options (combinations of registered techniques) and applying one to a block of the chain, through the technique
+contract of :mod:`fewbit_design.runtime.registry`; the planner knows no technique by name.
 
-An option is a ``+``-joined subset of :data:`TECHNIQUES` in that order (``"blpa+fewbit+checkpoint"``), or
-``"plain"``. BLPA fuses first (it takes ReLUs into its units), then few-bit converts the remaining activations, then
-checkpointing wraps the block's forward (an instance attribute, so state-dict keys and the model's own loop stay),
-and offloading is applied to all offloaded blocks at once (one ``offload.apply``, one file per step).
+An option is a ``+``-joined set of technique names in registry order (``"blpa+fewbit+checkpoint"``), or
+``"plain"``. Applying an option runs its techniques in registry order: the ``module`` seams replace modules inside
+the block, the ``wrapper`` seams wrap the block's forward, and the ``region`` seams are applied once for all the
+blocks that run under them (:func:`apply_regions`).
 """
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Sequence
+import itertools
+from collections.abc import Iterable, Mapping, Sequence
+from contextlib import ExitStack
+from typing import Any
 
 import torch
 
 from ...errors import FewBitError
+from .. import registry
 from ..checkpoint.apply import CheckpointedForward
 
-__all__ = ["TECHNIQUES", "parse_option", "option_name", "apply_option", "CheckpointedForward"]
+__all__ = [
+    "TECHNIQUES",
+    "EXACT",
+    "parse_option",
+    "option_name",
+    "is_exact",
+    "apply_option",
+    "apply_regions",
+    "check_choices",
+    "option_region",
+    "charge",
+    "candidate_options",
+    "CheckpointedForward",
+]
 
-TECHNIQUES = ("blpa", "fewbit", "offload", "checkpoint")
+#: the registered techniques' names, in application order
+TECHNIQUES = registry.names()
+#: the techniques whose gradients are exact
+EXACT = tuple(t.name for t in registry.techniques() if t.exact)
 
 
 def parse_option(option: str) -> tuple[str, ...]:
@@ -26,43 +46,110 @@ def parse_option(option: str) -> tuple[str, ...]:
     return () if option == "plain" else tuple(option.split("+"))
 
 
-def option_name(techniques: Sequence[str]) -> str:
-    """The canonical name of a set of techniques."""
-    ordered = [t for t in TECHNIQUES if t in techniques]
+def option_name(techniques: Iterable[str]) -> str:
+    """The canonical name of a set of techniques (registry order)."""
+    chosen = set(techniques)
+    ordered = [t for t in TECHNIQUES if t in chosen]
     return "+".join(ordered) if ordered else "plain"
 
 
-def apply_option(container: torch.nn.Module, key: str, option: str, *, bits: int, blpa_bits: int) -> torch.nn.Module:
-    """Apply ``option``'s module changes (BLPA, few-bit, checkpoint; not offload) to ``container``'s child ``key``
-    in place; return the block now at that place."""
-    techniques = parse_option(option)
+def is_exact(option: str) -> bool:
+    """Whether every technique of ``option`` keeps gradients exact."""
+    return all(registry.technique(t).exact for t in parse_option(option))
+
+
+def _configs(settings: Mapping[str, Any], option: str) -> list[tuple[registry.Technique, Any]]:
+    return [(t, t.config(settings)) for t in registry.iter_option(option)]
+
+
+def apply_option(container: torch.nn.Module, key: str, option: str, settings: Mapping[str, Any]) -> torch.nn.Module:
+    """Apply ``option``'s per-block techniques (the ``module`` and ``wrapper`` seams; not the regions) to
+    ``container``'s child ``key`` in place; return the block now at that place."""
     block = container._modules[key]
-    if "blpa" in techniques:
-        from .. import blpa
-
-        with warnings.catch_warnings():  # "nothing fused": the planner then does not offer BLPA there
-            warnings.simplefilter("ignore", UserWarning)
-            block = blpa.convert(block, bits=blpa_bits)
-    if "fewbit" in techniques:
-        from ..fewbit.convert import convert
-
-        holder = torch.nn.Sequential(block)  # converts the block itself too when it is an activation
-        with warnings.catch_warnings():  # "nothing replaced": the planner then does not offer few-bit there
-            warnings.simplefilter("ignore", UserWarning)
-            block = convert(holder, bits=bits)[0]
-    if "checkpoint" in techniques:
-        if isinstance(block.__dict__.get("forward"), CheckpointedForward):
-            raise FewBitError(f"block {key!r} is checkpointed already; it cannot be checkpointed twice")
-        block.forward = CheckpointedForward(block, selective=False)  # checkpoint.apply's per-block wrapper
+    for technique, config in _configs(settings, option):
+        if technique.seam == "region":
+            continue
+        try:
+            block = technique.apply(block, config)
+        except FewBitError as error:
+            raise FewBitError(f"block {key!r}: {error}") from None
     container._modules[key] = block
     return block
 
 
-def changed_by(technique: str, block: torch.nn.Module, *, bits: int, blpa_bits: int) -> bool:
-    """Whether ``technique`` (``blpa`` or ``fewbit``) changes anything in a copy of ``block``."""
-    import copy
+def apply_regions(
+    model: torch.nn.Module, blocks: Sequence[torch.nn.Module], choices: Sequence[str], settings: Mapping[str, Any]
+) -> dict[str, Any]:
+    """Apply each ``region`` seam once, around the blocks whose choice holds it; return ``{name: handle}``."""
+    handles = {}
+    for technique in registry.techniques():
+        if technique.seam != "region":
+            continue
+        chosen = [b for b, c in zip(blocks, choices, strict=True) if technique.name in parse_option(c)]
+        if chosen:
+            handles[technique.name] = technique.apply(model, chosen, technique.config(settings))
+    return handles
 
-    holder = torch.nn.Sequential(copy.deepcopy(block))
-    before = [type(m) for m in holder.modules()]
-    apply_option(holder, "0", technique, bits=bits, blpa_bits=blpa_bits)
-    return [type(m) for m in holder.modules()] != before
+
+def check_choices(
+    keys: Sequence[str], blocks: Sequence[torch.nn.Module], choices: Sequence[str], settings: Mapping[str, Any]
+) -> None:
+    """Everything applying ``choices`` could refuse, checked before anything changes: each technique's ``check`` on
+    each block it is chosen for, and each region technique's config (building the region checks it and probes its
+    resources, such as offload's folder)."""
+    for key, block, choice in zip(keys, blocks, choices, strict=True):
+        for technique, config in _configs(settings, choice):
+            if technique.check is not None:
+                try:
+                    technique.check(block, config)
+                except FewBitError as error:
+                    raise FewBitError(f"block {key!r}: {error}") from None
+    used = {t for c in choices for t in parse_option(c)}
+    for technique in registry.techniques():
+        if technique.seam == "region" and technique.name in used:
+            technique.region(technique.config(settings))
+
+
+class option_region(ExitStack):  # noqa: N801  (a context manager used like a function)
+    """The region seams of ``option`` entered around one block's run; ``bytes`` is what left memory."""
+
+    def __init__(self, option: str, settings: Mapping[str, Any]) -> None:
+        super().__init__()
+        self._regions = [(t, c) for t, c in _configs(settings, option) if t.seam == "region"]
+        self._stats: list[Any] = []
+
+    def __enter__(self) -> option_region:
+        super().__enter__()
+        self._stats = [self.enter_context(t.region(c)) for t, c in self._regions]
+        return self
+
+    @property
+    def bytes(self) -> int:
+        return sum(int(getattr(s, "bytes", 0)) for s in self._stats)
+
+
+def charge(cost: Any, option: str, facts: Mapping[str, int]) -> Any:
+    """What the planner charges for a block under ``option``: each technique's cost model in registry order applied
+    to what was measured; None when one drops the option."""
+    for technique in registry.iter_option(option):
+        cost = technique.cost(cost, facts)
+        if cost is None:
+            return None
+    return cost
+
+
+def _combinable(names: Sequence[str]) -> bool:
+    chosen = set(names)
+    return not any(registry.technique(n).excludes & chosen for n in names)
+
+
+def candidate_options(block: torch.nn.Module, allow: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
+    """The options worth measuring for ``block``: ``plain`` and every combinable set of the allowed techniques that
+    change it (a ``module`` seam only where applying it to a copy changes the block), in a stable order."""
+    useful = [t.name for t in registry.techniques() if t.name in allow and t.changes_block(block, t.config(settings))]
+    options = []
+    for size in range(len(useful) + 1):
+        for subset in itertools.combinations(useful, size):
+            if _combinable(subset):
+                options.append(option_name(subset))
+    return options
