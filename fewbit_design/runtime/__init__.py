@@ -13,7 +13,9 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.planner`: :func:`plan_memory`, which combines the techniques under a memory budget.
 * :mod:`.registry`: the technique contract (:class:`~.registry.Technique`: seam, exactness, config, ``apply``, cost
   model) and the list of techniques the planner combines; each technique folder's ``technique.py`` fills it in.
-* :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward, peak of live bytes).
+* :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward, peak of live bytes);
+  :mod:`.blockrun`: one block run alone under it, the measurement both block profilers (checkpoint's, the
+  planner's) are built on.
 * :mod:`._packing` and :mod:`._numba_packing`: bit packing shared by the kernels of every technique.
 
 The runtime imports torch, numba lazily (CPU kernels), triton lazily (CUDA kernels), and from the design side only

@@ -14,18 +14,18 @@ into them, and the peak is the feature maps' (what checkpointing reduces) plus o
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch.utils.checkpoint import checkpoint as torch_checkpoint
 
-from ...errors import FewBitError, check_choice
+from ...errors import FewBitError
 from .. import memory
+from ..blockrun import run_block, synchronize, training_state_kept
 from .fingerprint import BlockFingerprint, fingerprint, fingerprint_from_json
 
 __all__ = ["BlockProfile", "Profile", "profile", "training_state_kept"]
@@ -126,74 +126,35 @@ class Profile:
         )
 
 
-def _first(output: Any) -> torch.Tensor:
-    hidden = output[0] if isinstance(output, tuple | list) else output
-    if not isinstance(hidden, torch.Tensor):
-        raise FewBitError(f"a block must return a tensor or a tuple starting with one, got {type(hidden).__name__}")
-    return hidden
-
-
-def _nbytes(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().nbytes())
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _measure(block: torch.nn.Module, name: str, x: torch.Tensor, args: tuple, kwargs: dict, repeats: int):
     """Profile one block on input ``x``; return its :class:`BlockProfile` and its output (detached)."""
     needs_grad = x.requires_grad
-    leaf = x.detach().requires_grad_(needs_grad)
-    # a view of the leaf is a non-leaf like the hidden state inside a chain, so saved_bytes counts it when saved
-    inp = leaf.view_as(leaf) if needs_grad else leaf
-    backward_peak = backward_delta = input_grad = 0
-    with memory.peak() as p:
-        with memory.saved_bytes(block) as saved:
-            output = block(inp, *args, **kwargs)
-        hidden = _first(output)
-        forward_peak, after_forward = p.peak_bytes, p.live_bytes
-        if hidden.requires_grad:
-            p.reset_peak()
-            grad = torch.ones_like(hidden)
-            torch.autograd.backward(hidden, grad)
-            # relative to the end of the forward pass, without the incoming gradient (the chain has its own)
-            backward_peak = p.peak_bytes - after_forward - _nbytes(grad)
-            backward_delta = p.live_bytes - after_forward - _nbytes(grad)
-            input_grad = _nbytes(leaf.grad) if leaf.grad is not None else 0
-            del grad
-    output_bytes = _nbytes(hidden)
-    output_is_new = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
-    retained = after_forward - (output_bytes if output_is_new else 0)
-    saves_input, saves_output = saved.contains(inp), saved.contains(hidden)
-    result = hidden.detach()
-    del output, hidden, inp, leaf
+    run, result = run_block(block, x, args, kwargs, needs_grad=needs_grad, seed="ones")
     with memory.peak() as c:
         output = torch_checkpoint(block, x.detach().requires_grad_(needs_grad), *args, use_reentrant=False, **kwargs)
     checkpoint_peak = c.peak_bytes
     del output
     times = []
     for _ in range(repeats):
-        _synchronize(x.device)
+        synchronize(x.device)
         start = time.perf_counter()
         output = block(x.detach().requires_grad_(needs_grad), *args, **kwargs)
-        _synchronize(x.device)
+        synchronize(x.device)
         times.append(time.perf_counter() - start)
         del output
     block_profile = BlockProfile(
         name=name,
-        input_bytes=_nbytes(x),
-        output_bytes=output_bytes,
-        saved_bytes=saved.total,
-        saves_input=saves_input,
-        saves_output=saves_output,
-        retained_bytes=retained,
-        forward_peak_bytes=forward_peak,
+        input_bytes=run.input_bytes,
+        output_bytes=run.output_bytes,
+        saved_bytes=run.saved_bytes,
+        saves_input=run.saves_input,
+        saves_output=run.saves_output,
+        retained_bytes=run.kept,
+        forward_peak_bytes=run.forward_peak,
         checkpoint_forward_peak_bytes=checkpoint_peak,
-        backward_peak_bytes=backward_peak,
-        backward_delta_bytes=backward_delta,
-        input_grad_bytes=input_grad,
+        backward_peak_bytes=run.backward_peak,
+        backward_delta_bytes=run.backward_delta,
+        input_grad_bytes=run.input_grad_bytes,
         forward_seconds=statistics.median(times),
     )
     return block_profile, result
@@ -214,28 +175,6 @@ def _blocks_of(blocks: Any) -> tuple[list[torch.nn.Module], list[str], bool]:
     raise FewBitError(
         f"blocks must be an nn.Sequential, an nn.ModuleList or a list of modules, got {type(blocks).__name__}"
     )
-
-
-@contextlib.contextmanager
-def training_state_kept(module: torch.nn.Module, *, grads: str = "kept") -> Iterator[None]:
-    """Run a measurement on ``module`` and put back its parameters' gradients and its buffers (batch-norm running
-    statistics) afterwards. During the block the gradients are as they were (``grads="kept"``), None (``"none"``:
-    the backward pass creates them) or zeros (``"zeros"``: it adds into them; parameters that need a gradient)."""
-    grads = check_choice("grads", grads, ("kept", "none", "zeros"))
-    saved = {p: p.grad for p in module.parameters()}
-    buffers = {key: value.detach().clone() for key, value in module.named_buffers()}
-    if grads != "kept":
-        for parameter in saved:
-            zeros = grads == "zeros" and parameter.requires_grad
-            parameter.grad = torch.zeros_like(parameter) if zeros else None
-    try:
-        yield
-    finally:
-        for parameter, grad in saved.items():
-            parameter.grad = grad
-        with torch.no_grad():
-            for key, value in module.named_buffers():
-                value.copy_(buffers[key])
 
 
 def profile(

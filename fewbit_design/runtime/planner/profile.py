@@ -27,7 +27,7 @@ import torch
 
 from ...errors import FewBitError
 from .. import memory
-from ..checkpoint.profile import training_state_kept
+from ..blockrun import first_tensor, run_block, synchronize, training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
@@ -82,10 +82,6 @@ def _first_tensor(value: Any) -> torch.Tensor | None:
     return None
 
 
-def _nbytes(tensor: torch.Tensor) -> int:
-    return int(tensor.untyped_storage().nbytes())
-
-
 def find_chain(model: torch.nn.Module, chain: str | None = None) -> str:
     """The qualified name of the chain ("" for the model itself)."""
     named = dict(model.named_modules())
@@ -115,14 +111,6 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
     raise FewBitError("a block of the chain must take its hidden state as its first argument (a tensor)")
-
-
-def _output_hidden(output: Any) -> torch.Tensor:
-    hidden = output[0] if isinstance(output, tuple | list) else output
-    if not isinstance(hidden, torch.Tensor):
-        kind = type(hidden).__name__
-        raise FewBitError(f"a block of the chain must return a tensor or a tuple starting with one, got {kind}")
-    return hidden
 
 
 class _Recorder:
@@ -156,7 +144,7 @@ class _Recorder:
 
     def _post(self, index: int):
         def hook(module, args, output):
-            hidden = _output_hidden(output)
+            hidden = first_tensor(output)
             self.outputs[index] = hidden
             if index == len(self.blocks) - 1:
                 self.mark("exit")
@@ -194,19 +182,6 @@ def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (repr(block), parameters, shape(args), shape(kwargs), block.training)
 
 
-class _Seed(torch.autograd.Function):
-    """A scalar whose backward hands a gradient of ones to its input, owned by autograd alone."""
-
-    @staticmethod
-    def forward(ctx, hidden: torch.Tensor) -> torch.Tensor:
-        ctx.shape, ctx.dtype, ctx.device = hidden.shape, hidden.dtype, hidden.device
-        return hidden.new_zeros(())
-
-    @staticmethod
-    def backward(ctx, _grad: torch.Tensor) -> torch.Tensor:
-        return torch.ones(ctx.shape, dtype=ctx.dtype, device=ctx.device)
-
-
 class _Measure:
     def __init__(self, settings: dict[str, Any], repeats: int) -> None:
         self.settings, self.repeats = settings, repeats
@@ -219,60 +194,47 @@ class _Measure:
         leaf = args[0].detach().requires_grad_(needs_grad)
         with option_region(option, self.settings):
             output = module(leaf.view_as(leaf), *args[1:], **kwargs)
-        hidden = _output_hidden(output)
+        hidden = first_tensor(output)
         hidden.backward(torch.ones_like(hidden))
 
     def cost(
         self, block: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool
-    ) -> tuple[OptionCost, dict]:
+    ) -> tuple[OptionCost | None, dict]:
         module = self.prepare(block, option)
         for parameter in module.parameters():
             parameter.grad = None
-        leaf = args[0].detach().requires_grad_(needs_grad)
-        inp = leaf.view_as(leaf)  # a non-leaf, like a hidden state inside the chain
-        with memory.peak() as p:
-            with memory.saved_bytes(module) as saved, option_region(option, self.settings) as region:
-                output = module(inp, *args[1:], **kwargs)
-            hidden = _output_hidden(output)
-            forward_peak, after_forward = p.peak_bytes, p.live_bytes
-            output_bytes = _nbytes(hidden)
-            new_output = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
-            saves_input, saves_output = saved.contains(inp), saved.contains(hidden)
-            # as inside the chain: the incoming gradient is owned by autograd alone (freed once used), and the
-            # output is alive only if the block saved it
-            seed = _Seed.apply(hidden)
-            del output, hidden
-            start = p.live_bytes
-            p.reset_peak()
-            # the block's backward ends when the input's gradient exists; what follows here (the view's backward
-            # and accumulating into the leaf, which may copy) is an artefact of running the block alone
-            ends: list[int] = []
-            if inp.requires_grad:
-                inp.register_hook(lambda _grad: ends.append(p.peak_bytes))
-            seed.backward()
-            backward_peak = (ends[0] if ends else p.peak_bytes) - start
+        run, _ = run_block(
+            module,
+            args[0],
+            args[1:],
+            kwargs,
+            needs_grad=needs_grad,
+            seed="owned",
+            region=option_region(option, self.settings),
+        )
         extra = {
-            "input_bytes": _nbytes(leaf),
-            "output_bytes": output_bytes,
-            "gradient_bytes": sum(_nbytes(q.grad) for q in module.parameters() if q.grad is not None),
-            "saved_bytes": saved.total,
-            "offloaded_bytes": region.bytes,
+            "input_bytes": run.input_bytes,
+            "output_bytes": run.output_bytes,
+            "gradient_bytes": run.gradient_bytes,
+            "saved_bytes": run.saved_bytes,
+            "offloaded_bytes": run.region.bytes,
         }
-        del seed, inp
         times = []
         for _ in range(self.repeats):
             for parameter in module.parameters():
                 parameter.grad = None
+            synchronize(args[0].device)
             start = time.perf_counter()
             self.step(module, option, args, kwargs, needs_grad)
+            synchronize(args[0].device)
             times.append(time.perf_counter() - start)
         cost = OptionCost(
             option=option,
-            forward_peak=int(forward_peak),
-            kept=int(after_forward - (output_bytes if new_output else 0)),
-            backward_peak=int(max(backward_peak, 0)),
-            saves_input=bool(saves_input),
-            saves_output=bool(saves_output),
+            forward_peak=run.forward_peak,
+            kept=run.kept,
+            backward_peak=run.backward_peak,
+            saves_input=run.saves_input,
+            saves_output=run.saves_output,
             seconds=min(times),  # the least disturbed run (the machine may be shared)
         )
         return charge(cost, option, extra), extra
@@ -402,12 +364,15 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         "pre_backward_peak": max(timeline[end_index:], default=0),
     }
     recorded = [(_detach(args), _detach(kwargs), bool(args[0].requires_grad)) for args, kwargs in recorder.inputs]
+    device = recorder.outputs[0].device
     times = []
     for _ in range(repeats):
         for parameter in model.parameters():
             parameter.grad = None
+        synchronize(device)
         start = time.perf_counter()
         loss_fn(model(*example_inputs, **example_kwargs)).backward()
+        synchronize(device)
         times.append(time.perf_counter() - start)
     facts["step_seconds"] = min(times)
     for parameter in model.parameters():
