@@ -1,0 +1,51 @@
+"""``memory.saved_bytes`` counts what a compiled forward saves for backward, the same way as in eager mode (the
+baseline every transformer claim is measured against; issue 25). Expected counts are computed by hand from the
+shapes: what a linear layer's backward needs is its input (for the weight gradient) and its weight (for the input
+gradient); the weight is a parameter, which the counter excludes in both modes."""
+
+import pytest
+import torch
+
+from fewbit_design.runtime import memory
+
+BACKEND = "aot_eager_decomp_partition"  # inductor's decompositions and partitioner, no code generation (fast on CPU)
+
+
+def _saved(module, function, x):
+    with memory.saved_bytes(module) as saved:
+        out = function(x.view_as(x))
+    out.sum().backward()
+    return saved.total
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_linear_saves_its_input_and_no_parameter():
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 256)
+    x = torch.randn(32, 64, requires_grad=True)
+    expected = 32 * 64 * 4  # the float32 input; weight and bias are parameters
+    assert _saved(linear, linear, x) == expected
+    compiled = torch.compile(linear, backend=BACKEND)
+    _saved(linear, compiled, x)  # compiles
+    assert _saved(linear, compiled, x) == expected
+
+
+def test_compiled_mlp_counts_between_what_backward_needs_and_eager():
+    """Eager Linear -> GELU -> Linear keeps x, the GELU input and the second linear's input (hand count); a compiled
+    forward keeps a subset its partitioner chooses: never more than eager, never less than x (everything else can
+    be recomputed from x and the parameters)."""
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    x = torch.randn(32, 64, requires_grad=True)
+    eager = _saved(mlp, mlp, x)
+    assert eager == (32 * 64 + 2 * 32 * 256) * 4
+    compiled = torch.compile(mlp, backend=BACKEND)
+    _saved(mlp, compiled, x)
+    counted = _saved(mlp, compiled, x)
+    assert 32 * 64 * 4 <= counted <= eager
