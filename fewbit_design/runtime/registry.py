@@ -23,7 +23,7 @@ import torch
 
 from ..errors import FewBitError
 
-__all__ = ["Technique", "REGISTRY", "techniques", "technique", "names", "SEAMS"]
+__all__ = ["Technique", "REGISTRY", "techniques", "technique", "names", "setting_defaults", "iter_option", "SEAMS"]
 
 #: where the techniques are, in application order (module path of each ``technique.py``; its ``TECHNIQUE``)
 REGISTRY = (
@@ -69,6 +69,9 @@ class Technique:
             ``output_bytes``, ``saved_bytes``, ``offloaded_bytes``); None drops the option (nothing to gain).
             Applied in registry order. Default: charge what was measured.
         excludes: techniques it is never combined with in one option.
+        settings: the plan-settings keys this technique reads beyond the planner's own (``bits``, ``blpa_bits``,
+            ``offload``), with their defaults: ``plan_memory(technique_settings=...)`` sets them, plan files record
+            them, and ``config`` checks them (raising :class:`FewBitError` for a bad value).
     """
 
     name: str
@@ -82,6 +85,7 @@ class Technique:
     changes: Callable[[torch.nn.Module, Any], bool] | None = None
     cost: Callable[[Any, Mapping[str, int]], Any] = _unchanged
     excludes: frozenset[str] = field(default_factory=frozenset)
+    settings: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.seam not in SEAMS:
@@ -126,6 +130,14 @@ def technique(name: str) -> Technique:
         if found.name == name:
             return found
     raise FewBitError(f"no technique {name!r}: the registered techniques are {', '.join(names())}")
+
+
+def setting_defaults() -> dict[str, Any]:
+    """The registered techniques' own plan settings (``Technique.settings``) with their defaults."""
+    found: dict[str, Any] = {}
+    for t in techniques():
+        found.update(t.settings)
+    return found
 
 
 def iter_option(option: str) -> Iterator[Technique]:

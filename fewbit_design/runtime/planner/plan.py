@@ -510,6 +510,7 @@ def plan_memory(
     offload_target: str = "auto",
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
+    technique_settings: dict[str, Any] | None = None,
 ) -> MemoryPlan:
     """Profile ``model`` on example inputs once and choose per block of its chain the fastest combination of
     techniques whose predicted peak fits ``budget`` (see :mod:`fewbit_design.runtime.planner` for the algorithm),
@@ -540,6 +541,8 @@ def plan_memory(
             memory when it is saved, so the prediction holds).
         repeats: timed runs per measurement (median).
         example_kwargs: keyword inputs of the step.
+        technique_settings: settings of registered techniques beyond the ones above (each technique's
+            ``Technique.settings`` names its keys and defaults, e.g. ``{"linear_bits": 4}``).
 
     Raises :class:`FewBitError` when no plan fits the budget (naming the smallest feasible one), for a bad
     argument before anything runs (a bad budget included), and when the model cannot run a training step on the
@@ -571,6 +574,19 @@ def plan_memory(
             "plan_memory(model, x, ...) or example_kwargs={...}"
         )
     offload = {"min_bytes": int(offload_min_bytes), "target": offload_target, "prefetch": 0}
+    from .. import registry
+
+    own = registry.setting_defaults()
+    extra = dict(technique_settings or {})
+    for key in extra:
+        if key not in own:
+            known = ", ".join(sorted(own)) or "none"
+            raise FewBitError(f"technique_settings: no registered technique reads {key!r} (known: {known})")
+    settings = {**own, **extra, "bits": bits, "blpa_bits": blpa_bits, "offload": offload}
+    for name in allow:
+        technique = registry.technique(name)
+        if technique.settings:
+            technique.config(settings)  # a bad value fails before the model is profiled
     from .profile import profile_model
 
     chain_name, costs, facts = profile_model(
@@ -579,21 +595,14 @@ def plan_memory(
         dict(example_kwargs or {}),
         chain=chain,
         allow=allow,
-        settings={"bits": bits, "blpa_bits": blpa_bits, "offload": offload},
+        settings=settings,
         loss_fn=loss_fn,
         repeats=repeats,
     )
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
     container = model.get_submodule(chain_name) if chain_name else model
-    settings = {
-        "allow": allow,
-        "approximate": approximate,
-        "bits": bits,
-        "blpa_bits": blpa_bits,
-        "objective": objective,
-        "offload": offload,
-    }
+    settings = {**settings, "allow": allow, "approximate": approximate, "objective": objective}
     return choose(
         chain_name,
         costs,

@@ -134,7 +134,9 @@ def _check_costs(chain: str, costs: Any) -> None:
 
 
 def _check_settings(settings: Any) -> tuple[str, ...]:
-    check_keys("settings", settings, SETTINGS_FIELDS, SETTINGS_OPTIONAL)
+    from .. import registry
+
+    check_keys("settings", settings, SETTINGS_FIELDS, SETTINGS_OPTIONAL + tuple(registry.setting_defaults()))
     allow = settings["allow"]
     if not isinstance(allow, tuple | list):
         raise FewBitError(f"settings.allow must be a list of techniques, got {show(allow)}")
@@ -157,6 +159,13 @@ def _check_settings(settings: Any) -> tuple[str, ...]:
         check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
     if offload.get("directory") is not None:
         check_string("settings.offload.directory", offload["directory"])
+    for name in allow:  # each technique's own settings, checked by its config
+        technique = registry.technique(name)
+        if technique.settings:
+            try:
+                technique.config(settings)
+            except FewBitError as error:
+                raise FewBitError(f"settings ({name}): {error}") from None
     return tuple(allow)
 
 
