@@ -183,10 +183,14 @@ def _backward_reference(
     if kind in CENTRED:
         inner = inner - dxhat.mean(-1, keepdim=True)
     grad_x = (inner * rstd.reshape(rows, 1)).to(x_dtype).reshape(y.shape)
-    empty = torch.empty(0, dtype=compute, device=y.device)
-    grad_weight = (g * xhat).sum(0).to(weight.dtype).reshape(weight.shape) if weight is not None else empty
-    grad_bias = g.sum(0).to(bias.dtype).reshape(bias.shape) if bias is not None else empty
+    grad_weight = (g * xhat).sum(0).to(weight.dtype).reshape(weight.shape) if weight is not None else _none(y)
+    grad_bias = g.sum(0).to(bias.dtype).reshape(bias.shape) if bias is not None else _none(y)
     return grad_x, grad_weight, grad_bias
+
+
+def _none(like: torch.Tensor) -> torch.Tensor:
+    """The gradient output of an absent parameter: an empty tensor of its own (custom op outputs may not alias)."""
+    return torch.empty(0, dtype=torch.float32, device=like.device)
 
 
 @torch.library.custom_op("fewbit::norm_backward", mutates_args=())
@@ -207,9 +211,8 @@ def _norm_backward(
 @_norm_backward.register_fake
 def _(grad, y, rstd, channels, kept, weight, bias, kind, x_dtype):
     grad_x = torch.empty(y.shape, dtype=x_dtype, device=y.device)
-    empty = torch.empty(0, dtype=rstd.dtype, device=y.device)
-    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else empty
-    grad_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else empty
+    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else _none(y)
+    grad_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else _none(y)
     return grad_x, grad_weight, grad_bias
 
 
