@@ -9,9 +9,9 @@ Recognition is by structure, never by class name alone, and every replacement is
 * the probe: a copy of the module with random weights (and bias) runs beside the candidate replacement on a small
   random input, in the module's dtype and in float32 / bfloat16 weight-and-input combinations (which tell LLaMA's
   cast-then-scale from T5's and Gemma's forms); the candidate is used only where the outputs agree to rounding
-  (2 units in the last place) in every combination, dtypes included, and the float32 gradients (input and
-  parameters) agree to 1e-4 of their largest value. The probe draws from its own generator: the caller's random
-  stream is untouched.
+  (2 float32 units in the last place: 16-bit outputs equal) in every combination, dtypes included, and the float32
+  gradients (input and parameters) agree to 1e-4 of their largest value. The probe draws from its own generator:
+  the caller's random stream is untouched.
 
 A module that looks like a norm (its class name holds "Norm") and is not replaced is listed with the reason in the
 report (``BatchNorm`` and ``GroupNorm`` normalise over other axes than a row; a module with extra arguments or
@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import copy
 import numbers
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,7 +47,9 @@ __all__ = ["convert", "NormsReport"]
 #: the other forms tried, in order, for a module with a 1-D weight and no bias (a bias: only ``layer_norm``)
 WEIGHT_ONLY_KINDS = ("llama", "t5", "gemma", "rms_norm", "layer_norm")
 PROBE_ROWS = 3
-#: forward agreement on the probe, in units in the last place of the output's dtype (of its largest value)
+#: forward agreement on the probe, in float32 units in the last place (of the largest value): a float32 output may
+#: differ by rounding, a 16-bit one must be equal (one 16-bit ulp is 2^8-2^13 float32 ulps: a 16-bit difference is
+#: a different formula, e.g. another eps)
 PROBE_ULPS = 2
 #: gradient agreement on the float32 probe, relative to the largest gradient: the backward reconstructs xhat and
 #: sums in another order, a few float32 roundings (1e-7) times the width; 1e-4 leaves room and still tells forms apart
@@ -128,7 +131,7 @@ def _agree(native: torch.Tensor, ours: torch.Tensor) -> bool:
     if not native.is_floating_point():
         return torch.equal(native, ours)
     scale = float(native.detach().abs().max()) if native.numel() else 0.0
-    ulp = torch.finfo(native.dtype).eps * PROBE_ULPS
+    ulp = torch.finfo(torch.float32).eps * PROBE_ULPS  # of float32 whatever the dtype: 16-bit outputs must be equal
     return torch.allclose(native, ours, rtol=ulp, atol=ulp * scale)
 
 
@@ -137,49 +140,66 @@ def _probe(module: torch.nn.Module, build: Builder) -> str | None:
     generator = torch.Generator().manual_seed(0)
     device = next(module.parameters(), torch.empty(0)).device
     dtype = next(module.parameters(), torch.empty(0)).dtype
-    shape = getattr(module, "normalized_shape", None) or tuple(module.weight.shape)
     for parameter_dtype, input_dtype in _settings(dtype):
-        original = copy.deepcopy(module).to(parameter_dtype)
-        with torch.no_grad():
-            for parameter in original.parameters():
-                parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 + 0.25)
-        replacement = build(original)
-        # 3-D (batch, rows, *shape), rows unlike the first normalised size: a norm over other axes (GroupNorm,
-        # InstanceNorm, BatchNorm) then raises or differs instead of passing for a LayerNorm
-        rows = PROBE_ROWS if shape[0] != PROBE_ROWS else PROBE_ROWS + 1
-        x = (torch.randn((2, rows, *shape), generator=generator) + 0.5).to(device, input_dtype)
-        results = []
-        for candidate in (original, replacement):
-            leaf = x.clone().requires_grad_()
-            try:
-                y = candidate(leaf)
-            except Exception as error:  # noqa: BLE001  (the original may take other arguments: no agreement)
-                results.append(type(error).__name__)
-                continue
-            if not isinstance(y, torch.Tensor):
-                results.append(f"a {type(y).__name__}")
-                continue
-            grads = ()
-            if parameter_dtype == input_dtype == torch.float32:
-                upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device, y.dtype)
-                grads = torch.autograd.grad(y, [leaf, *original.parameters()], upstream, allow_unused=True)
-            results.append((y.detach(), grads))
-        native, ours = results
-        if isinstance(native, str) and isinstance(ours, str):
-            continue  # neither runs with these dtypes (a mixed-dtype LayerNorm, for one)
-        if isinstance(native, str) or isinstance(ours, str):
-            who, what = ("the module", native) if isinstance(native, str) else ("the replacement", ours)
-            return f"with {parameter_dtype} parameters and {input_dtype} input {who} alone raised {what}"
-        if not _agree(native[0], ours[0]):
-            return f"its output differs with {parameter_dtype} parameters and {input_dtype} input"
-        for reference, grad in zip(native[1], ours[1]):
-            if (reference is None) != (grad is None):
-                return "its gradients reach other tensors"
-            if reference is None:
-                continue
-            scale = float(reference.abs().max()) or 1.0
-            if float((reference - grad).abs().max()) > PROBE_GRADIENT_TOLERANCE * scale:
-                return "its float32 gradients differ"
+        with warnings.catch_warnings():  # torch warns about the mixed-dtype combinations it then runs unfused
+            warnings.simplefilter("ignore", UserWarning)
+            failure = _probe_one(module, build, parameter_dtype, input_dtype, generator, device)
+        if failure is not None:
+            return failure
+    return None
+
+
+def _probe_one(
+    module: torch.nn.Module,
+    build: Builder,
+    parameter_dtype: torch.dtype,
+    input_dtype: torch.dtype,
+    generator: torch.Generator,
+    device: torch.device,
+) -> str | None:
+    """One (parameter dtype, input dtype) combination of :func:`_probe`."""
+    shape = getattr(module, "normalized_shape", None) or tuple(module.weight.shape)
+    original = copy.deepcopy(module).to(parameter_dtype)
+    with torch.no_grad():
+        for parameter in original.parameters():
+            parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 + 0.25)
+    replacement = build(original)
+    # 3-D (batch, rows, *shape), rows unlike the first normalised size: a norm over other axes (GroupNorm,
+    # InstanceNorm, BatchNorm) then raises or differs instead of passing for a LayerNorm
+    rows = PROBE_ROWS if shape[0] != PROBE_ROWS else PROBE_ROWS + 1
+    x = (torch.randn((2, rows, *shape), generator=generator) + 0.5).to(device, input_dtype)
+    results = []
+    for candidate in (original, replacement):
+        leaf = x.clone().requires_grad_()
+        try:
+            y = candidate(leaf)
+        except Exception as error:  # noqa: BLE001  (the original may take other arguments: no agreement)
+            results.append(type(error).__name__)
+            continue
+        if not isinstance(y, torch.Tensor):
+            results.append(f"a {type(y).__name__}")
+            continue
+        grads = ()
+        if parameter_dtype == input_dtype == torch.float32:
+            upstream = torch.randn(y.shape, generator=torch.Generator().manual_seed(1)).to(device, y.dtype)
+            grads = torch.autograd.grad(y, [leaf, *original.parameters()], upstream, allow_unused=True)
+        results.append((y.detach(), grads))
+    native, ours = results
+    if isinstance(native, str) and isinstance(ours, str):
+        return None  # neither runs with these dtypes (a mixed-dtype LayerNorm, for one)
+    if isinstance(native, str) or isinstance(ours, str):
+        who, what = ("the module", native) if isinstance(native, str) else ("the replacement", ours)
+        return f"with {parameter_dtype} parameters and {input_dtype} input {who} alone raised {what}"
+    if not _agree(native[0], ours[0]):
+        return f"its output differs with {parameter_dtype} parameters and {input_dtype} input"
+    for reference, grad in zip(native[1], ours[1], strict=True):
+        if (reference is None) != (grad is None):
+            return "its gradients reach other tensors"
+        if reference is None:
+            continue
+        scale = float(reference.abs().max()) or 1.0
+        if float((reference - grad).abs().max()) > PROBE_GRADIENT_TOLERANCE * scale:
+            return "its float32 gradients differ"
     return None
 
 

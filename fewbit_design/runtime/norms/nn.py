@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError, check_choice
-from .ops import DEFAULT_THRESHOLD, KINDS, memory_sharing_norm
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, memory_sharing_norm
 
 __all__ = ["MemorySharingNorm"]
 
@@ -18,8 +18,8 @@ class MemorySharingNorm(torch.nn.Module):
     Args:
         normalized_shape: the trailing dimensions normalised over.
         kind: one of :data:`.ops.KINDS`, the original module's formula.
-        eps: the epsilon added to the variance; ``None`` (``torch.nn.RMSNorm``'s default) is the input dtype's
-            machine epsilon.
+        eps: the epsilon added to the variance; ``None`` (``torch.nn.RMSNorm``'s default) is the machine epsilon of
+            the compute dtype (float32 for 16-bit input, as torch does).
         weight, bias: the original module's parameters (shared, not copied), or None.
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
 
@@ -53,7 +53,8 @@ class MemorySharingNorm(torch.nn.Module):
                 f"{self.kind} norm over the last dimensions {self.normalized_shape} got an input of shape "
                 f"{tuple(x.shape)}: its trailing dimensions must be {self.normalized_shape}"
             )
-        eps = torch.finfo(x.dtype).eps if self.eps is None else float(self.eps)
+        # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
+        eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
         return memory_sharing_norm(
             x, self.weight, self.bias, kind=self.kind, normalized_ndim=ndim, eps=eps, threshold=self.threshold
         )
