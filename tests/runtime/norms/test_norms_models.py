@@ -31,7 +31,7 @@ def _llama():
 def _gpt2():
     config = transformers.GPT2Config(
         vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=TOKENS, attn_implementation="eager",
-        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
     )  # fmt: skip
     return transformers.GPT2LMHeadModel(config)
 
