@@ -1,0 +1,63 @@
+"""The module of the memory-sharing norm: holds the original norm's parameters (the same Parameter objects) and
+calls :func:`.ops.memory_sharing_norm`; no math here."""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import FewBitError, check_choice
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, memory_sharing_norm
+
+__all__ = ["MemorySharingNorm"]
+
+
+class MemorySharingNorm(torch.nn.Module):
+    """A LayerNorm / RMSNorm that keeps for backward only its output, the rows' rstd and the normalised input of the
+    channels it cannot invert (see :mod:`.ops`); its forward is bitwise the original's.
+
+    Args:
+        normalized_shape: the trailing dimensions normalised over.
+        kind: one of :data:`.ops.KINDS`, the original module's formula.
+        eps: the epsilon added to the variance; ``None`` (``torch.nn.RMSNorm``'s default) is the machine epsilon of
+            the compute dtype (float32 for 16-bit input, as torch does).
+        weight, bias: the original module's parameters (shared, not copied), or None.
+        threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
+
+    >>> norm = MemorySharingNorm((8,), kind="rms_norm", eps=1e-6, weight=torch.nn.Parameter(torch.ones(8)))
+    >>> norm(torch.randn(2, 8)).shape
+    torch.Size([2, 8])
+    """
+
+    def __init__(
+        self,
+        normalized_shape: tuple[int, ...],
+        *,
+        kind: str,
+        eps: float | None,
+        weight: torch.nn.Parameter | None = None,
+        bias: torch.nn.Parameter | None = None,
+        threshold: float = DEFAULT_THRESHOLD,
+    ) -> None:
+        super().__init__()
+        self.kind = check_choice("norm kind", kind, KINDS)
+        self.normalized_shape = tuple(int(size) for size in normalized_shape)
+        self.eps = eps
+        self.threshold = float(threshold)
+        self.weight = weight
+        self.bias = bias
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ndim = len(self.normalized_shape)
+        if tuple(x.shape[x.dim() - ndim :]) != self.normalized_shape or x.dim() < ndim:
+            raise FewBitError(
+                f"{self.kind} norm over the last dimensions {self.normalized_shape} got an input of shape "
+                f"{tuple(x.shape)}: its trailing dimensions must be {self.normalized_shape}"
+            )
+        # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
+        eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
+        return memory_sharing_norm(
+            x, self.weight, self.bias, kind=self.kind, normalized_ndim=ndim, eps=eps, threshold=self.threshold
+        )
+
+    def extra_repr(self) -> str:
+        return f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"

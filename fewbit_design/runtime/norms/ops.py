@@ -1,0 +1,263 @@
+"""The memory-sharing norm op: forward as the native norm, backward from the norm's OUTPUT and per-row statistics.
+
+Terms: a norm maps each row x (the last ``normalized_ndim`` dimensions, D elements) to its *normalised input*
+``xhat = (x - mean) * rstd`` (centred, LayerNorm) or ``xhat = x * rstd`` (RMSNorm), with ``rstd = 1 / sqrt(var +
+eps)``, then to ``y = xhat * w + b``; ``w`` is the weight (``1 + weight`` for Gemma's ``kind``), ``b`` the bias.
+
+Saved for backward: ``y`` itself (the tensor the next linear layer saves anyway: same storage, so
+:func:`fewbit_design.runtime.memory.saved_bytes` counts it once), ``rstd`` (one float32 per row) and, for the
+*kept* channels only, ``xhat`` (float32, ``[rows, k]``) with the channels' indices. Backward reconstructs
+``xhat = (y - b) / w`` (the reversible-designs idea applied to the norm) and applies the exact norm gradient.
+
+Kept channels: inverting multiplies the rounding error of ``y`` (unit roundoff ``u`` of y's dtype, ``u * (|w xhat|
++ |b|)``) by ``1 / |w|``, and ``y``'s underflow (``tiny``) too, so a channel is inverted only where ``|w| >= threshold
+* (|b| + tiny / eps)``: the reconstruction error of ``xhat`` is then at most ``u * (|xhat| + 1 / threshold)``, i.e.
+rounding. Weights at or near zero (exact zeros, subnormals, or small next to the bias) are kept. Without a bias,
+any normal weight inverts to the last bits (``y / w`` has relative error ``u``), so only zeros and values near the
+underflow limit are kept there.
+
+Kinds (each forward is the original module's, op for op, so the output is bitwise the native one):
+
+* ``layer_norm``: ``torch.nn.LayerNorm`` (affine with or without bias, or no affine);
+* ``rms_norm``: ``torch.nn.RMSNorm``;
+* ``llama``: ``weight * (x.float() * rstd).to(x.dtype)`` (LlamaRMSNorm, Mistral, Qwen2, Phi-3, ...);
+* ``t5``: ``weight * (x * rstd)`` cast to the weight's dtype first when that is 16-bit (T5LayerNorm);
+* ``gemma``: ``((x.float() * rstd) * (1 + weight.float())).type_as(x)`` (Gemma's RMSNorm).
+
+Backward is computed in float32 (float64 for float64 tensors); gradients are returned in the input's and the
+parameters' dtypes. Ops: ``torch.ops.fewbit.norm_forward`` and ``torch.ops.fewbit.norm_backward`` (fake kernels
+registered, so ``torch.compile`` and ``torch.library.opcheck`` work); :func:`memory_sharing_norm` is the entry point.
+
+>>> import torch
+>>> x = torch.randn(2, 3, 8, requires_grad=True)
+>>> w, b = torch.rand(8) + 0.5, torch.randn(8)
+>>> y = memory_sharing_norm(x, w, b, kind="layer_norm", normalized_ndim=1, eps=1e-5)
+>>> torch.equal(y, torch.nn.functional.layer_norm(x, (8,), w, b, 1e-5))
+True
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...errors import check_choice
+
+__all__ = ["KINDS", "DEFAULT_THRESHOLD", "memory_sharing_norm", "forward_reference", "kept_channels"]
+
+KINDS = ("layer_norm", "rms_norm", "llama", "t5", "gemma")
+CENTRED = frozenset({"layer_norm"})
+#: a channel is inverted only where |w| >= DEFAULT_THRESHOLD * (|b| + tiny / eps) (see the module docstring)
+DEFAULT_THRESHOLD = 0.25
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _effective_weight(weight: torch.Tensor, kind: str, dtype: torch.dtype) -> torch.Tensor:
+    """The factor each channel of xhat is multiplied by, in ``dtype`` (``1 + weight`` for Gemma)."""
+    effective = weight.reshape(-1).to(dtype)
+    return effective + 1.0 if kind == "gemma" else effective
+
+
+def forward_reference(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, rstd)``: y exactly as the original module computes it, rstd (float32, or float64 for float64 input) of
+    shape ``[rows]``. Pure torch ops, so it runs on fake tensors too."""
+    shape = tuple(x.shape[x.dim() - normalized_ndim :])
+    compute = _compute_dtype(x.dtype)
+    rows = math.prod(x.shape[: x.dim() - normalized_ndim])
+    if kind == "layer_norm":
+        y, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
+        if rstd.dtype != compute:  # 16-bit input: torch keeps 16-bit statistics; backward gets float32 ones
+            flat = x.reshape(rows, -1).to(compute)
+            rstd = torch.rsqrt(flat.var(-1, unbiased=False) + eps)
+        return y, rstd.reshape(rows).to(compute)
+    if kind == "rms_norm":
+        y, rstd = torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)
+        return y, rstd.reshape(rows).to(compute)
+    dims = tuple(range(-normalized_ndim, 0))
+    if kind == "t5":
+        variance = x.to(torch.float32).pow(2).mean(dims, keepdim=True)
+        rstd = torch.rsqrt(variance + eps)
+        hidden = x * rstd
+        if weight.dtype in (torch.float16, torch.bfloat16):
+            hidden = hidden.to(weight.dtype)
+        return weight * hidden, rstd.reshape(rows).to(compute)
+    hidden = x.to(torch.float32)
+    rstd = torch.rsqrt(hidden.pow(2).mean(dims, keepdim=True) + eps)
+    hidden = hidden * rstd
+    if kind == "llama":
+        return weight * hidden.to(x.dtype), rstd.reshape(rows).to(compute)
+    assert kind == "gemma", kind
+    return (hidden * (1.0 + weight.float())).type_as(x), rstd.reshape(rows).to(compute)
+
+
+def kept_channels(
+    y_dtype: torch.dtype, weight: torch.Tensor | None, bias: torch.Tensor | None, kind: str, threshold: float
+) -> torch.Tensor:
+    """Bool mask ``[D]`` of the channels that cannot be inverted to rounding (all False without a weight)."""
+    if weight is None:
+        return torch.zeros(0, dtype=torch.bool)
+    compute = _compute_dtype(y_dtype)
+    magnitude = _effective_weight(weight.detach(), kind, compute).abs()
+    info = torch.finfo(y_dtype)
+    floor = info.tiny / info.eps
+    limit = torch.full_like(magnitude, floor) if bias is None else bias.detach().reshape(-1).to(compute).abs() + floor
+    return ~(magnitude >= threshold * limit)  # NaN weights are kept too
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Custom ops
+
+
+@torch.library.custom_op("fewbit::norm_forward", mutates_args=())
+def _norm_forward(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
+    rows = rstd.numel()
+    channels = torch.nonzero(kept_channels(y.dtype, weight, bias, kind, threshold).to(x.device)).reshape(-1)
+    if channels.numel() == 0:
+        kept = torch.empty(rows, 0, dtype=rstd.dtype, device=x.device)
+    else:
+        flat = x.detach().reshape(rows, -1)
+        selected = flat[:, channels].to(rstd.dtype)
+        if kind in CENTRED:
+            selected = selected - flat.to(rstd.dtype).mean(-1, keepdim=True)
+        kept = selected * rstd.reshape(rows, 1)
+    return y, rstd, channels, kept
+
+
+@_norm_forward.register_fake
+def _(x, weight, bias, kind, normalized_ndim, eps, threshold):
+    y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
+    count = torch.library.get_ctx().new_dynamic_size() if weight is not None else 0
+    channels = x.new_empty(count, dtype=torch.int64)
+    kept = x.new_empty(rstd.numel(), count, dtype=rstd.dtype)
+    return y, rstd, channels, kept
+
+
+def _backward_reference(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    channels: torch.Tensor,
+    kept: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    compute = rstd.dtype
+    rows = rstd.numel()
+    width = y.numel() // rows if rows else 0
+    g = grad.reshape(rows, width).to(compute)
+    xhat = y.detach().reshape(rows, width).to(compute)
+    if weight is not None:
+        effective = _effective_weight(weight.detach(), kind, compute)
+        if bias is not None:
+            xhat = xhat - bias.detach().reshape(-1).to(compute)
+        divisor = effective.index_fill(0, channels, 1.0)  # kept channels are not divided (their weight may be 0)
+        xhat = xhat / divisor
+        xhat.index_copy_(1, channels, kept)
+        dxhat = g * effective
+    else:
+        dxhat = g
+    projection = (dxhat * xhat).mean(-1, keepdim=True)
+    inner = dxhat - xhat * projection
+    if kind in CENTRED:
+        inner = inner - dxhat.mean(-1, keepdim=True)
+    grad_x = (inner * rstd.reshape(rows, 1)).to(x_dtype).reshape(y.shape)
+    grad_weight = (g * xhat).sum(0).to(weight.dtype).reshape(weight.shape) if weight is not None else _none(y)
+    grad_bias = g.sum(0).to(bias.dtype).reshape(bias.shape) if bias is not None else _none(y)
+    return grad_x, grad_weight, grad_bias
+
+
+def _none(like: torch.Tensor) -> torch.Tensor:
+    """The gradient output of an absent parameter: an empty tensor of its own (custom op outputs may not alias)."""
+    return torch.empty(0, dtype=torch.float32, device=like.device)
+
+
+@torch.library.custom_op("fewbit::norm_backward", mutates_args=())
+def _norm_backward(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    channels: torch.Tensor,
+    kept: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    x_dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward_reference(grad, y, rstd, channels, kept, weight, bias, kind, x_dtype)
+
+
+@_norm_backward.register_fake
+def _(grad, y, rstd, channels, kept, weight, bias, kind, x_dtype):
+    grad_x = torch.empty(y.shape, dtype=x_dtype, device=y.device)
+    grad_weight = torch.empty_like(weight, memory_format=torch.contiguous_format) if weight is not None else _none(y)
+    grad_bias = torch.empty_like(bias, memory_format=torch.contiguous_format) if bias is not None else _none(y)
+    return grad_x, grad_weight, grad_bias
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, kind, _, _, _ = inputs
+    y, rstd, channels, kept = output
+    ctx.mark_non_differentiable(rstd, channels, kept)
+    ctx.save_for_backward(y, rstd, channels, kept, weight, bias)
+    ctx.kind = kind
+    ctx.x_dtype = x.dtype
+
+
+def _backward(ctx, grad, *_):
+    y, rstd, channels, kept, weight, bias = ctx.saved_tensors
+    grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
+        grad, y, rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
+    )
+    return (
+        grad_x if ctx.needs_input_grad[0] else None,
+        grad_weight if weight is not None and ctx.needs_input_grad[1] else None,
+        grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+def memory_sharing_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float = DEFAULT_THRESHOLD,
+) -> torch.Tensor:
+    """The norm of ``kind`` over the last ``normalized_ndim`` dimensions of ``x``; for backward it keeps only its
+    output, the rows' rstd and the kept channels' xhat (see the module docstring)."""
+    check_choice("norm kind", kind, KINDS)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
+    if not needs_grad:
+        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0]
+    return torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold)[0]
