@@ -6,6 +6,7 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, table loading, the op and its kernels);
   :mod:`.nn`, :mod:`.functional` and :mod:`.tables` are the documented paths of its public names, and
   ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
+* :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
@@ -46,9 +47,10 @@ _LAZY = {
     **{
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
-        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry")
+        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
+    "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
     "load_table": ("fewbit.tables", "load_table"),
     "convert": ("fewbit.convert", "convert"),
     "calibrate": ("fewbit.calibrate", "calibrate"),

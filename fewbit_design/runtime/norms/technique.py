@@ -31,4 +31,5 @@ TECHNIQUE = Technique(
     exact=True,
     config=_config,
     apply=_apply,
+    settings={"norms_threshold": DEFAULT_THRESHOLD},
 )
