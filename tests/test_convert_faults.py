@@ -61,7 +61,7 @@ def modules_of(model):
 def test_an_activation_used_twice_in_one_parent_is_replaced_at_both_places(tables_dir):
     shared = torch.nn.GELU()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.Linear(4, 4), shared)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert isinstance(model[1], fnn.GELU) and model[3] is model[1]  # one shared replacement, at both places
     assert len(report.replaced) == 1 and report.replaced[0].names == ("1", "3") and report.places == 2
     assert "replaced 1 module(s) at 2 place(s)" in str(report) and "'1', '3'" in str(report)
@@ -84,7 +84,7 @@ def test_the_same_activation_in_a_module_list_and_before_convolutions(tables_dir
     convs = [torch.nn.Conv2d(2, 2, 1) for _ in range(3)]
     model = torch.nn.Sequential(convs[0], relu, convs[1], relu, convs[2])
     with pytest.warns(UserWarning, match="nothing replaced"):
-        _, report = runtime.convert(model, report=True)
+        report = runtime.convert(model).fewbit_report
     assert model[1] is relu and model[3] is relu and report.skipped[0].names == ("1", "3")
 
 
@@ -233,7 +233,8 @@ def test_tables_calibrated_on_a_compiled_model_apply_to_the_plain_one_and_back(t
 
 def test_an_activation_given_alone_is_converted_and_returned(tables_dir):
     native = torch.nn.GELU()
-    converted, report = runtime.convert(native, report=True)
+    converted = runtime.convert(native)
+    report = converted.fewbit_report
     assert isinstance(converted, fnn.GELU) and report.replaced[0].names == ("",)
     x = torch.randn(7)
     torch.testing.assert_close(converted(x), native(x), rtol=0, atol=0)
@@ -273,8 +274,9 @@ def test_convert_under_inference_mode_decides_as_in_training_and_trains_after(mo
     x = torch.randn(1, 2, 3, 3)
     model, other = build(), build()
     with context():
-        model, report = runtime.convert(model, report=True)
-        _, measured = runtime.convert(other, report=True, example_inputs=x)
+        model = runtime.convert(model)
+        report = model.fewbit_report
+        measured = runtime.convert(other, example_inputs=x).fewbit_report
     assert isinstance(model[1], torch.nn.ReLU) and isinstance(model[3], fnn.GELU)  # the ReLU before a conv stays
     assert [item.names for item in report.replaced] == [("3",)] and measured.measured["native"] > 0
     model(x).sum().backward()  # trains after conversion in inference mode
@@ -398,5 +400,5 @@ def test_blpa_convert_strict_failure_on_a_later_run_leaves_the_model_unchanged()
     with pytest.raises(FewBitError, match=r"blpa.convert\(strict=True\): run at '3': .*affine=True"):
         blpa.convert(model, strict=True)
     assert modules_of(model) == before  # the first run was not fused either
-    _, report = blpa.convert(model, report=True)  # without strict: the first run fused, the second reported
+    report = blpa.convert(model).blpa_report  # without strict: the first run fused, the second reported
     assert report.fused == [("0", "1", "2")] and report.skipped[0][0] == "3"

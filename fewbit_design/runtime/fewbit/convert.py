@@ -28,8 +28,7 @@ that require grad are not counted); an activation is replaced only when the byte
 >>> from fewbit_design import runtime
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
 >>> model = runtime.convert(model, bits=3)                                       # doctest: +SKIP
->>> model, report = runtime.convert(model, report=True)                          # doctest: +SKIP
->>> print(report)                                                                 # doctest: +SKIP
+>>> print(model.fewbit_report)                                                    # doctest: +SKIP
 >>> model = runtime.convert(model, filter={MyAct: "myact.json"})                 # doctest: +SKIP
 """
 
@@ -101,6 +100,11 @@ _TORCH_UNSUPPORTED = {
     "PReLU": "PReLU has a trainable slope (it would get no gradient)",
     "RReLU": "RReLU has a random slope in training: no fixed derivative to tabulate",
 }
+
+REPORT_MESSAGE = (
+    "convert(report={report!r}): convert always returns the model; the report of the conversion is the attribute "
+    "model.fewbit_report of the returned model (drop report=)"
+)
 
 _OUTPUT_ONLY_REASON = (
     "its native backward saves only its output, and it sits where the next layer (convolution, linear, norm, "
@@ -502,9 +506,11 @@ def convert(
     example_inputs: Any = None,
     strict: bool = False,
     report: bool = False,
-) -> torch.nn.Module | tuple[torch.nn.Module, ConversionReport]:
-    """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, or
-    ``(model, ConversionReport)`` with ``report=True``.
+) -> torch.nn.Module:
+    """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, always.
+
+    What was done is the :class:`ConversionReport` in the returned model's attribute ``fewbit_report``, set by every
+    call (the next call overwrites it). ``report=True`` (an older form that returned ``(model, report)``) raises.
 
     Recognised modules (see the module docstring) get the shipped table for (``bits``, ``weight``, ``mode``) of
     the function they compute. Options:
@@ -522,6 +528,7 @@ def convert(
       saved for backward: by a rule (native backward saves only the output) or, with ``example_inputs`` (a tensor,
       a tuple of positional arguments or a dict of keyword arguments for ``model``), by measuring one forward pass.
     * ``strict``: raise :class:`FewBitError` when an activation module without few-bit support is present.
+    * ``report``: must stay False; read ``model.fewbit_report`` instead.
 
     Every argument is checked first, whatever the model holds. The conversion is all or nothing: every replacement
     is built (its table found and checked) before the first module is swapped, so an error leaves the model as it
@@ -534,6 +541,8 @@ def convert(
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    if report is not False:
+        raise FewBitError(REPORT_MESSAGE.format(report=report))
     bits = check_bits(bits)
     check_choice("weight", weight, WEIGHTS)
     check_choice("mode", mode, MODES)
@@ -559,7 +568,8 @@ def convert(
             "it has no activation module the runtime recognises"
         )
         warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
-    return (converted, result) if report else converted
+    converted.fewbit_report = result
+    return converted
 
 
 def _convert(
