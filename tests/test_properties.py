@@ -24,7 +24,7 @@ from test_kinks import same_bits
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime.fewbit import ops as op
-from fewbit_design.runtime.fewbit.tables import MAX_NESTING, as_table
+from fewbit_design.runtime.fewbit.lookup import MAX_NESTING, as_table
 from fewbit_design.table import MODES, Table, format_float
 
 settings.register_profile("fewbit-default", max_examples=30, deadline=None)

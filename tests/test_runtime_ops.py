@@ -19,7 +19,7 @@ from devices import DEVICES
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import _packing as packing
 from fewbit_design.runtime.fewbit import ops as op
-from fewbit_design.runtime.fewbit.tables import load_table
+from fewbit_design.runtime.fewbit.lookup import load_table
 from fewbit_design.table import Table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None

@@ -2,7 +2,7 @@
 
 What it owns: :mod:`.nn` (drop-in ``torch.nn`` modules and :class:`~.nn.FewBit` for any activation),
 :mod:`.functional` (the ``torch.nn.functional`` forms), :mod:`.convert` (swap a model's activations),
-:mod:`.tables` (finding and loading tables: the shipped set or files), :mod:`.ops` (the autograd function, the
+:mod:`.lookup` (the runtime lookup of tables: the shipped set or files), :mod:`.ops` (the autograd function, the
 ``torch.library`` custom ops and the pure-torch reference) with its kernels :mod:`._numba_kernels` (CPU) and
 :mod:`._triton_kernels` (CUDA). Bit packing is shared with the other techniques (:mod:`fewbit_design.runtime._packing`).
 

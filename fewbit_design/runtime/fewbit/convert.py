@@ -50,8 +50,8 @@ from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice, close_matches
 from ...table import MODES, Table
 from .. import memory
+from .lookup import WEIGHTS, TableLike, as_table, resolve_table
 from .nn import FewBit, FewBitModule, _entry_for, from_torch
-from .tables import WEIGHTS, TableLike, as_table, resolve_table
 
 __all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM", "canonical_name"]
 

@@ -50,7 +50,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ...table import Table
 from .._packing import pack_reference, packed_nbytes, unpack_reference
-from .tables import check_kernel_table
+from .lookup import check_kernel_table
 
 __all__ = [
     "BACKENDS",

@@ -1,4 +1,4 @@
-"""Finding and loading tables for the runtime: the shipped set, table files, and checks against a module.
+"""The runtime lookup of tables: finding and loading them (the shipped set, table files) and checks against a module.
 
 The shipped tables live in the package folder ``fewbit_design/tables/`` with an index ``index.json``
 (format ``fewbit-index/1``) that lists, for every table file, its activation, params, bits, mode, symmetric flag
