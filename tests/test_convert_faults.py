@@ -28,7 +28,7 @@ from fewbit_design.runtime._packing import packed_nbytes
 from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 
-convert_module = importlib.import_module("fewbit_design.runtime.fewbit.convert")
+matching_module = importlib.import_module("fewbit_design.runtime.fewbit.matching")
 
 
 def input_grad(module, x, grad):
@@ -265,7 +265,7 @@ def test_arguments_are_checked_even_when_nothing_is_converted(kwargs, message):
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_convert_under_inference_mode_decides_as_in_training_and_trains_after(mode, tables_dir, monkeypatch):
-    monkeypatch.setattr(convert_module, "_OUTPUT_ONLY", {})  # the probe cache must not hide the caller's mode
+    monkeypatch.setattr(matching_module, "_OUTPUT_ONLY", {})  # the probe cache must not hide the caller's mode
 
     def build():
         torch.manual_seed(0)
