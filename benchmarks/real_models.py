@@ -129,7 +129,7 @@ def model_inputs(kind: str, window: torch.Tensor, seed: int) -> dict[str, torch.
 
 def activation_names(model: torch.nn.Module) -> set[str]:
     """Names of the activation modules (native ones convert would replace, or few-bit ones)."""
-    from fewbit_design.runtime.fewbit.convert import _Candidate, _recognise
+    from fewbit_design.runtime.fewbit.matching import _Candidate, _recognise
 
     names = set()
     for name, module in model.named_modules():
@@ -141,7 +141,7 @@ def activation_names(model: torch.nn.Module) -> set[str]:
 
 def normal_tables(model: torch.nn.Module, bits: int, notes: set[str]) -> dict[str, object]:
     """{module name: normal-weight table}: the shipped one, or designed now when not shipped (noted)."""
-    from fewbit_design.runtime.fewbit.convert import _Candidate, _recognise
+    from fewbit_design.runtime.fewbit.matching import _Candidate, _recognise
 
     tables = {}
     for name, module in model.named_modules():

@@ -1,4 +1,4 @@
-"""Few-bit derivative tables: the ``fewbit-table/1`` JSON format, validation, atomic writes.
+"""The table file format: one few-bit derivative table as ``fewbit-table/1`` JSON, validation, atomic writes.
 
 A table is a quantizer of x: sorted finite ``boundaries`` t_1 < ... < t_{M-1} cut the real line into M
 intervals (the first and last unbounded); interval m = number of boundaries <= x (a point on a boundary

@@ -19,7 +19,7 @@ def test_strict_raises_when_nothing_was_fused_and_the_default_warns():
     with pytest.raises(FewBitError, match=r"strict=True.*nothing fused in Sequential.*BatchNorm -> ReLU"):
         blpa.convert(model, strict=True)
     with pytest.warns(UserWarning, match="nothing fused in Sequential"):
-        _, report = blpa.convert(model, report=True)
+        report = blpa.convert(model).blpa_report
     assert report.fused == [] and isinstance(model[1], nn.BatchNorm2d)
 
 
@@ -27,7 +27,7 @@ def test_report_names_the_fused_runs_and_logs(caplog):
     model = nn.Sequential(nn.BatchNorm2d(4), nn.ReLU(), nn.Conv2d(4, 4, 1), nn.BatchNorm2d(4, affine=False))
     model.append(nn.ReLU()).append(nn.Conv2d(4, 4, 1))
     with caplog.at_level(logging.INFO, logger="fewbit_design"):
-        _, report = blpa.convert(model, report=True)
+        report = blpa.convert(model).blpa_report
     assert report.fused == [("0", "1", "2")]
     assert report.skipped[0][0] == "3" and "affine=True" in report.skipped[0][1]
     assert "fused 1 BatchNorm -> ReLU -> op run" in caplog.text
@@ -43,7 +43,7 @@ def test_hugging_face_resnet_is_fused_across_conv_layers_with_an_exact_forward(l
     model = transformers.ResNetModel(config).double()
     reference = copy.deepcopy(model)
     x = torch.randn(2, 3, 32, 32, dtype=torch.float64)
-    _, report = blpa.convert(model, bits=8, strict=True, report=True)
+    report = blpa.convert(model, bits=8, strict=True).blpa_report
     assert len(report.fused) == (2 if layer_type == "basic" else 4)  # one per pair of consecutive ResNetConvLayers
     assert report.fused[0] == (
         "encoder.stages.0.layers.0.layer.0.normalization",

@@ -25,9 +25,10 @@ from fewbit_design.runtime import functional as FF
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime._packing import packed_nbytes
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 
-convert_module = importlib.import_module("fewbit_design.runtime.fewbit.convert")
+matching_module = importlib.import_module("fewbit_design.runtime.fewbit.matching")
 
 
 def input_grad(module, x, grad):
@@ -61,7 +62,7 @@ def modules_of(model):
 def test_an_activation_used_twice_in_one_parent_is_replaced_at_both_places(tables_dir):
     shared = torch.nn.GELU()
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), shared, torch.nn.Linear(4, 4), shared)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert isinstance(model[1], fnn.GELU) and model[3] is model[1]  # one shared replacement, at both places
     assert len(report.replaced) == 1 and report.replaced[0].names == ("1", "3") and report.places == 2
     assert "replaced 1 module(s) at 2 place(s)" in str(report) and "'1', '3'" in str(report)
@@ -84,7 +85,7 @@ def test_the_same_activation_in_a_module_list_and_before_convolutions(tables_dir
     convs = [torch.nn.Conv2d(2, 2, 1) for _ in range(3)]
     model = torch.nn.Sequential(convs[0], relu, convs[1], relu, convs[2])
     with pytest.warns(UserWarning, match="nothing replaced"):
-        _, report = runtime.convert(model, report=True)
+        report = runtime.convert(model).fewbit_report
     assert model[1] is relu and model[3] is relu and report.skipped[0].names == ("1", "3")
 
 
@@ -233,7 +234,8 @@ def test_tables_calibrated_on_a_compiled_model_apply_to_the_plain_one_and_back(t
 
 def test_an_activation_given_alone_is_converted_and_returned(tables_dir):
     native = torch.nn.GELU()
-    converted, report = runtime.convert(native, report=True)
+    converted = runtime.convert(native)
+    report = converted.fewbit_report
     assert isinstance(converted, fnn.GELU) and report.replaced[0].names == ("",)
     x = torch.randn(7)
     torch.testing.assert_close(converted(x), native(x), rtol=0, atol=0)
@@ -263,7 +265,7 @@ def test_arguments_are_checked_even_when_nothing_is_converted(kwargs, message):
 
 @pytest.mark.parametrize("mode", ["inference_mode", "no_grad"])
 def test_convert_under_inference_mode_decides_as_in_training_and_trains_after(mode, tables_dir, monkeypatch):
-    monkeypatch.setattr(convert_module, "_OUTPUT_ONLY", {})  # the probe cache must not hide the caller's mode
+    monkeypatch.setattr(matching_module, "_OUTPUT_ONLY", {})  # the probe cache must not hide the caller's mode
 
     def build():
         torch.manual_seed(0)
@@ -273,8 +275,9 @@ def test_convert_under_inference_mode_decides_as_in_training_and_trains_after(mo
     x = torch.randn(1, 2, 3, 3)
     model, other = build(), build()
     with context():
-        model, report = runtime.convert(model, report=True)
-        _, measured = runtime.convert(other, report=True, example_inputs=x)
+        model = runtime.convert(model)
+        report = model.fewbit_report
+        measured = runtime.convert(other, example_inputs=x).fewbit_report
     assert isinstance(model[1], torch.nn.ReLU) and isinstance(model[3], fnn.GELU)  # the ReLU before a conv stays
     assert [item.names for item in report.replaced] == [("3",)] and measured.measured["native"] > 0
     model(x).sum().backward()  # trains after conversion in inference mode
@@ -381,7 +384,7 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
     native = backward_peak(torch.nn.GELU(), x, grad)
     assert native >= numel * 2  # the instrument sees the gradient
     # at most one float32 block of input and one of output beside the gradient (before: 5x the gradient's bytes)
-    assert fewbit <= native + 8 * op.SCALE_BLOCK + 65536, (fewbit, native)
+    assert fewbit <= native + 8 * backends.SCALE_BLOCK + 65536, (fewbit, native)
 
 
 # --------------------------------------------------------------------- 20.8 for BLPA's convert: all or nothing
@@ -398,5 +401,5 @@ def test_blpa_convert_strict_failure_on_a_later_run_leaves_the_model_unchanged()
     with pytest.raises(FewBitError, match=r"blpa.convert\(strict=True\): run at '3': .*affine=True"):
         blpa.convert(model, strict=True)
     assert modules_of(model) == before  # the first run was not fused either
-    _, report = blpa.convert(model, report=True)  # without strict: the first run fused, the second reported
+    report = blpa.convert(model).blpa_report  # without strict: the first run fused, the second reported
     assert report.fused == [("0", "1", "2")] and report.skipped[0][0] == "3"

@@ -110,7 +110,8 @@ def test_convert_replaces_every_activation_of_hugging_face_models_bitwise(kind, 
     activations = _activation_modules(model)
     assert activations, "the model has activation modules"
     expected = _output(model, inputs)
-    converted, report = runtime.convert(model, report=True)
+    converted = runtime.convert(model)
+    report = converted.fewbit_report
     assert converted is model
     assert not _activation_modules(model)
     replaced_names = {name for item in report.replaced for name in item.names}
@@ -125,7 +126,7 @@ def test_gpt2_gelu_new_uses_the_tanh_table_and_saves_half_the_bytes(model_tables
     model, inputs = build("gpt2-gelu_new")
     with memory.saved_bytes(model) as native:
         _output(model, inputs)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert {item.activation for item in report.replaced} == {"gelu(approximate='tanh')"}
     assert report.by_class() == {"transformers.activations.NewGELUActivation": 2}
     assert "2 x transformers.activations.NewGELUActivation -> FewBit" in str(report)
@@ -143,7 +144,7 @@ def test_convert_logs_its_summary(model_tables, caplog):
 
 def test_unsupported_activation_is_reported_and_strict_raises(model_tables):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.PReLU(), torch.nn.Linear(4, 4), torch.nn.GELU())
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert isinstance(model[3], fnn.GELU) and isinstance(model[1], torch.nn.PReLU)
     assert report.skipped[0].names == ("1",) and "trainable slope" in report.skipped[0].reason
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.PReLU(), torch.nn.GELU())
@@ -178,7 +179,7 @@ def test_a_shared_activation_becomes_one_shared_replacement(model_tables):
     shared = torch.nn.GELU()
     model = torch.nn.Sequential(TwoUses(shared), torch.nn.Linear(4, 4), shared)
     model.alias = model[0]  # one module under two names
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert isinstance(model[2], fnn.GELU) and model[0].act is model[2]
     assert model.alias is model[0]
     # every name it has is listed (issue 20.3), the one under the alias included
@@ -233,7 +234,7 @@ def test_timm_classes_are_recognised_when_timm_is_imported(fake_timm, model_tabl
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), fake_timm.GELUTanh(), torch.nn.Linear(4, 4), fake_timm.Swish())
     x = torch.randn(3, 4, requires_grad=True)
     expected = model(x)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert [item.activation for item in report.replaced] == ["gelu(approximate='tanh')", "silu"]
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
@@ -243,7 +244,7 @@ def test_real_timm_activations_when_timm_imports(model_tables):
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), timm_activations.GELUTanh(), timm_activations.Swish())
     x = torch.randn(3, 4, requires_grad=True)
     expected = model(x)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert len(report.replaced) == 2
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
@@ -293,7 +294,7 @@ def test_default_conversion_never_increases_saved_bytes_on_resnet(kind, model_ta
     model, inputs = build("resnet") if kind == "hugging-face" else (torch_resnet(), torch.randn(2, 3, 16, 16))
     native = _saved(model, inputs)
     with pytest.warns(UserWarning, match="nothing replaced"):
-        _, report = runtime.convert(model, report=True)
+        report = runtime.convert(model).fewbit_report
     assert _saved(model, inputs) <= native
     assert report.skipped and all("saves only its output" in item.reason for item in report.skipped)
     if kind == "hugging-face":
@@ -301,7 +302,7 @@ def test_default_conversion_never_increases_saved_bytes_on_resnet(kind, model_ta
         runtime.convert(forced, only_if_smaller=False)
         assert _saved(forced, inputs) > native  # what the rule avoids: the codes on top of the saved outputs
     else:  # measured: the last ReLU feeds only the average pooling (which saves no input), so replacing it pays
-        measured, _ = runtime.convert(torch_resnet(), example_inputs=inputs, report=True)
+        measured = runtime.convert(torch_resnet(), example_inputs=inputs)
         assert _saved(measured, inputs) < native
         assert [type(module) for module in measured.modules()].count(fnn.ReLU) == 1
 
@@ -315,7 +316,7 @@ def test_measured_decision_keeps_only_replacements_that_reduce_bytes(model_table
     x = torch.randn(2, 3, 8, 8)
     native = _saved(model, x)
     mean = model[1].running_mean.clone()
-    _, report = runtime.convert(model, example_inputs=x, report=True)
+    report = runtime.convert(model, example_inputs=x).fewbit_report
     assert isinstance(model[2], torch.nn.ReLU) and isinstance(model[4], fnn.GELU)
     assert "measured on the example" in report.skipped[0].reason
     torch.testing.assert_close(model[1].running_mean, mean, rtol=0, atol=0)  # measuring left the statistics alone
@@ -325,8 +326,8 @@ def test_measured_decision_keeps_only_replacements_that_reduce_bytes(model_table
 def test_measured_decision_on_hugging_face_resnet_and_gpt2(model_tables):
     model, inputs = build("resnet")
     native = _saved(model, inputs)
-    _, report = runtime.convert(model, example_inputs=inputs, report=True)
+    report = runtime.convert(model, example_inputs=inputs).fewbit_report
     assert _saved(model, inputs) <= native and report.skipped  # the ReLUs before a convolution stay
     model, inputs = build("gpt2-gelu_new")
-    _, report = runtime.convert(model, example_inputs=inputs, report=True)
+    report = runtime.convert(model, example_inputs=inputs).fewbit_report
     assert len(report.replaced) == 2 and report.measured["converted"] < report.measured["native"]

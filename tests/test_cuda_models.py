@@ -60,7 +60,7 @@ def test_torch_compile_of_a_converted_model(kind, no_tf32):
     model = model.cuda().eval()  # eval: no dropout; parameters still require grad, so the few-bit path runs
     inputs = {key: value.cuda() for key, value in inputs.items()}
     native = copy.deepcopy(model)
-    _, report = runtime.convert(model, report=True)
+    report = runtime.convert(model).fewbit_report
     assert report.replaced
     native_out, native_grads = _step(native, inputs)
     eager_out, eager_grads = _step(model, inputs)

@@ -191,11 +191,11 @@ def index_root(tmp_path_factory):
 
 def load_through_index(root):
     """Every path by which the index is read: the design side's reader and the runtime's lookup."""
-    from fewbit_design.runtime.fewbit import tables as runtime_tables
+    from fewbit_design.runtime.fewbit import lookup
 
     read_index(root)
     for name, bits, mode, weight in (("relu", 1, "levelsets", "uniform"), ("gelu", 3, "intervals", "normal")):
-        runtime_tables.load_table(name, bits=bits, mode=mode, weight=weight, root=root)
+        lookup.load_table(name, bits=bits, mode=mode, weight=weight, root=root)
 
 
 @FUZZ
@@ -258,7 +258,7 @@ def test_table_params_must_be_scalars(params):
     ],
 )
 def test_index_entries_of_the_wrong_type_are_one_error(index_root, entry, message):
-    from fewbit_design.runtime.fewbit import tables as runtime_tables
+    from fewbit_design.runtime.fewbit import lookup
 
     root, document = index_root
     first = next(e for e in document["tables"] if e["file"] == "relu/levelsets-uniform-1bit.json")
@@ -266,14 +266,14 @@ def test_index_entries_of_the_wrong_type_are_one_error(index_root, entry, messag
     with pytest.raises(FewBitError, match=message):
         read_index(root)
     with pytest.raises(FewBitError, match=message):
-        runtime_tables.load_table("relu", bits=1, root=root)
+        lookup.load_table("relu", bits=1, root=root)
 
 
 def test_an_index_with_a_huge_integer_is_one_error(index_root):
-    from fewbit_design.runtime.fewbit import tables as runtime_tables
+    from fewbit_design.runtime.fewbit import lookup
 
     root, document = index_root
     (root / "index.json").write_text(json.dumps(document).replace('"bits": 1', '"bits": ' + "7" * 5000, 1))
-    for read in (lambda: read_index(root), lambda: runtime_tables.load_table("relu", bits=1, root=root)):
+    for read in (lambda: read_index(root), lambda: lookup.load_table("relu", bits=1, root=root)):
         with pytest.raises(FewBitError, match="4300 digits"):
             read()

@@ -67,9 +67,9 @@ from fewbit_design.runtime.nn import GELU
 result = {
     'convert is the function': isinstance(runtime.convert, types.FunctionType),
     'same objects': GELU is fewbit.nn.GELU and functional.gelu is fewbit.functional.gelu
-        and tables.load_table is fewbit.tables.load_table is runtime.load_table and runtime.FewBit is fewbit.nn.FewBit,
+        and tables.load_table is fewbit.lookup.load_table is runtime.load_table and runtime.FewBit is fewbit.nn.FewBit,
     'same names': [sorted(m.__all__) == sorted(getattr(fewbit, n).__all__)
-                   for n, m in (('nn', nn), ('functional', functional), ('tables', tables))],
+                   for n, m in (('nn', nn), ('functional', functional), ('lookup', tables))],
     'own modules': [sys.modules[f'fewbit_design.runtime.{n}'].__name__ for n in ('nn', 'functional', 'tables')],
 }
 """

@@ -22,9 +22,10 @@ from hypothesis import strategies as st
 from test_kinks import same_bits
 
 from fewbit_design.errors import FewBitError
+from fewbit_design.runtime import _packing as packing
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime.fewbit import ops as op
-from fewbit_design.runtime.fewbit.tables import MAX_NESTING, as_table
+from fewbit_design.runtime.fewbit.lookup import MAX_NESTING, as_table
 from fewbit_design.table import MODES, Table, format_float
 
 settings.register_profile("fewbit-default", max_examples=30, deadline=None)
@@ -84,7 +85,8 @@ def test_boundary_beyond_float32_range_is_exact(tmp_path):
     tensors = op.table_tensors(table)
     for dtype in DTYPES:
         boundaries, _ = tensors.for_input(dtype)
-        codes = op.unpack_reference(op.quantize_reference(x.to(dtype), boundaries, tensors.interval_codes, 1), 1, 4)
+        packed = op.quantize_reference(x.to(dtype), boundaries, tensors.interval_codes, 1)
+        codes = packing.unpack_reference(packed, 1, 4)
         assert codes.tolist() == [0, 1, 0, 0], dtype
 
 

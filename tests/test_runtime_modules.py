@@ -464,7 +464,7 @@ def test_forward_on_every_view_is_torchs_on_the_same_view(name, dtype, make_tabl
 
 
 def test_a_shipped_table_is_found_by_one_key_and_the_index_entries_are_bound_once(tables_dir, monkeypatch):
-    from fewbit_design.runtime.fewbit import tables as lookup
+    from fewbit_design.runtime.fewbit import lookup as lookup
 
     gelu = activations.bind("gelu")
     key = lookup.TableKey.of(gelu, bits=2, mode="levelsets", weight="uniform")

@@ -18,8 +18,9 @@ from devices import DEVICES
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import _packing as packing
+from fewbit_design.runtime.fewbit import backends as op_backends
 from fewbit_design.runtime.fewbit import ops as op
-from fewbit_design.runtime.fewbit.tables import load_table
+from fewbit_design.runtime.fewbit.lookup import load_table
 from fewbit_design.table import Table
 
 HAS_TRITON = importlib.util.find_spec("triton") is not None
@@ -224,7 +225,7 @@ def test_shipped_table_with_a_crowded_bucket_in_the_branchless_kernel():
     table = load_table("silu", bits=8)
     lut = op.build_lut32(op.boundaries_float32(table.boundaries), table.codes)
     assert np.any(lut == op.MULTI)
-    assert np.count_nonzero(op.direct_lut32(lut) == 0x100) > op.BRANCHLESS_SPLITS  # the branchless kernel runs
+    assert np.count_nonzero(op.direct_lut32(lut) == 0x100) > op_backends.BRANCHLESS_SPLITS  # the branchless kernel runs
     tensors = op.table_tensors(table)
     x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
     x = torch.cat([x, edge_values(table, torch.float32)])
@@ -350,7 +351,7 @@ def test_backend_choice_is_checked(monkeypatch):
 
 def test_without_numba_the_reference_runs(monkeypatch):
     monkeypatch.delenv(op.BACKEND_ENV, raising=False)
-    monkeypatch.setattr(op, "_importable", lambda module: module != "numba")
+    monkeypatch.setattr(op_backends, "_importable", lambda module: module != "numba")
     assert op.backend_for(torch.device("cpu")) == "reference"
     table = random_table(bits=2, seed=2)
     tensors = op.table_tensors(table)

@@ -1,4 +1,4 @@
-"""``fewbit-design tables build|verify``, ``fewbit-design plot`` and ``fewbit-design curves``."""
+"""The CLI commands ``fewbit-design tables build|verify`` (the shipped set), ``fewbit-design plot`` and ``curves``."""
 
 from __future__ import annotations
 

@@ -2,7 +2,8 @@
 
 What it owns, bottom to top:
 
-* :mod:`.activations`: the registry of activations f, their derivatives f' in closed form, name resolution.
+* :mod:`.activations`: the registry of activations f and their derivatives f', name resolution, binding, user
+  activations; :mod:`.catalogue`: the closed forms of f and f' of every registry activation.
 * :mod:`.weights`: the weights w(x) (uniform, normal, laplace, student-t, empirical) on a design range.
 * :mod:`.integrals`: grids, Gauss-Legendre antiderivatives and the O(n) prefix integrals of the paper's eqs. 8-9.
 * :mod:`.dp`: the numba dynamic programs (intervals, eq. 7; weighted 1-D k-means for level sets).

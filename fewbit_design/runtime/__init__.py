@@ -3,9 +3,9 @@ a planner that combines them, and memory accounting.
 
 Where things are (one folder per technique, each with its module API, functional API and kernels):
 
-* :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, table loading, the op and its kernels);
-  :mod:`.nn`, :mod:`.functional` and :mod:`.tables` are the documented paths of its public names, and
-  ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
+* :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, the table ``lookup``, the op and its
+  kernels); :mod:`.nn`, :mod:`.functional` and :mod:`.tables` (the lookup's) are the documented paths of its public
+  names, and ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
 * :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
@@ -51,7 +51,7 @@ _LAZY = {
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
-    "load_table": ("fewbit.tables", "load_table"),
+    "load_table": ("fewbit.lookup", "load_table"),
     "convert": ("fewbit.convert", "convert"),
     "calibrate": ("fewbit.calibrate", "calibrate"),
     "plan_memory": ("planner", "plan_memory"),

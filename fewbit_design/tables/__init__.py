@@ -1,5 +1,5 @@
-"""The shipped JSON tables (package data: ``<activation>/*.json`` and ``index.json``) and the code that builds and
-verifies them: :mod:`.shipped` (the set, build, verify, the index), :mod:`.same` (when a rebuilt table is the same
+"""The shipped set of tables (package data: ``<activation>/*.json`` and ``index.json``) and the code that builds and
+verifies it: :mod:`.shipped` (the set, build, verify, the index), :mod:`.same` (when a rebuilt table is the same
 table) and :mod:`.perturb` (the spread of the objective under perturbations)."""
 
 from .shipped import (

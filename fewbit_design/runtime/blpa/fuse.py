@@ -60,10 +60,13 @@ def _chain_children(module: nn.Module) -> tuple[str, ...] | None:
 
 def convert(
     model: nn.Module, *, bits: int | None = 4, naive: bool = False, strict: bool = False, report: bool = False
-) -> nn.Module | tuple[nn.Module, FuseReport]:
+) -> nn.Module:
     """Fuse every ``BatchNorm2d -> ReLU -> Conv2d`` and ``BatchNorm1d -> ReLU -> Linear`` run in ``nn.Sequential``
     containers of ``model`` (recursively, through Hugging Face ``ResNetConvLayer`` chains) into BLPA units; returns
-    ``model`` (changed in place), or ``(model, FuseReport)`` with ``report=True``.
+    ``model`` (changed in place), always.
+
+    What was done is the :class:`FuseReport` in ``model.blpa_report``, set by every call (the next call overwrites
+    it). ``report`` must stay False: ``report=True`` (an older form that returned ``(model, report)``) raises.
 
     The fused unit takes the place of the BatchNorm and reuses the original modules (parameters, running
     statistics and hyper-parameters are shared, so an optimizer built before ``convert`` keeps working); the ReLU and
@@ -78,6 +81,11 @@ def convert(
     """
     if not isinstance(model, nn.Module):
         raise FewBitError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")
+    if report is not False:
+        raise FewBitError(
+            f"blpa.convert(report={report!r}): blpa.convert always returns the model; the report of the fusion is "
+            "the attribute model.blpa_report of the returned model (drop report=)"
+        )
     bits = _check_unit_bits("convert", bits, naive)
     result = FuseReport()
     already = any(isinstance(module, _FusedUnit) for module in model.modules())
@@ -100,7 +108,8 @@ def convert(
         if strict:
             raise FewBitError(f"blpa.convert(strict=True): nothing fused in {type(model).__name__}: {reasons}")
         warnings.warn(f"blpa.convert: nothing fused in {type(model).__name__}: {reasons}", stacklevel=2)
-    return (model, result) if report else model
+    model.blpa_report = result
+    return model
 
 
 def _slots(seq: nn.Sequential, prefix: str) -> list[tuple[nn.Module, str, str]]:

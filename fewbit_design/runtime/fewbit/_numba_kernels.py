@@ -15,7 +15,7 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
 * float32: a 65536-entry table indexed by the top 16 bits of x's bit pattern (sign, exponent, 7 mantissa bits)
   gives the code of the whole bucket; the few buckets that hold a boundary are marked and resolved by a second
   table entry t << 16 | A << 8 | B: code = A if low16 >= t else B. Built by
-  :func:`fewbit_design.runtime.fewbit.ops.build_lut32` from the exact float32 comparisons; the rare buckets that hold
+  :func:`~.backends.build_lut32` from the exact float32 comparisons; the rare buckets that hold
   several code changes are resolved by a binary search over the boundaries. About 6 instructions per element, branch
   almost always predicted.
   Tables with many boundaries (more than ``ops.BRANCHLESS_SPLITS`` split buckets: 5-8 bits) use

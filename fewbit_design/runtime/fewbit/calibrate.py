@@ -29,7 +29,7 @@ import torch
 
 from ...errors import FewBitError, check_bits, check_positive
 from ...table import Table
-from .convert import _Candidate, _recognise, _run_example, _slots, canonical_name
+from .matching import _Candidate, _recognise, _run_example, _slots, canonical_name
 from .nn import FewBitModule
 
 __all__ = ["StreamingHistogram", "calibrate"]

@@ -28,8 +28,7 @@ that require grad are not counted); an activation is replaced only when the byte
 >>> from fewbit_design import runtime
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
 >>> model = runtime.convert(model, bits=3)                                       # doctest: +SKIP
->>> model, report = runtime.convert(model, report=True)                          # doctest: +SKIP
->>> print(report)                                                                 # doctest: +SKIP
+>>> print(model.fewbit_report)                                                    # doctest: +SKIP
 >>> model = runtime.convert(model, filter={MyAct: "myact.json"})                 # doctest: +SKIP
 """
 
@@ -38,7 +37,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-import sys
 import warnings
 from collections import Counter
 from collections.abc import Callable, Iterator, Mapping
@@ -51,8 +49,21 @@ from ...design import activations
 from ...errors import FewBitError, check_bits, check_choice, close_matches
 from ...table import MODES, Table
 from .. import memory
-from .nn import FewBit, FewBitModule, _entry_for, from_torch
-from .tables import WEIGHTS, TableLike, as_table, resolve_table
+from .lookup import WEIGHTS, TableLike, as_table, resolve_table
+from .matching import (
+    ECOSYSTEM,
+    _Candidate,
+    _class_path,
+    _output_saved_by_neighbour,
+    _recognise,
+    _run_example,
+    _saves_only_output,
+    _Slot,
+    _slots,
+    _unique_places,
+    canonical_name,
+)
+from .nn import FewBit, FewBitModule, from_torch
 
 __all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM", "canonical_name"]
 
@@ -60,47 +71,11 @@ logger = logging.getLogger("fewbit_design.runtime.convert")
 
 Filter = Mapping[type, TableLike | None] | Callable[[str, torch.nn.Module], Any] | None
 
-_GELU_TANH = ("gelu", {"approximate": "tanh"})
 
-# (library module, class name) -> (registry activation, params) or a reason why it is left alone. A class whose
-# registry entry does not exist yet (quick_gelu, relu_squared are being added on the design side) is left alone with
-# that reason until the entry lands; nothing else changes then.
-ECOSYSTEM: dict[tuple[str, str], tuple[str, dict[str, Any]] | str] = {
-    ("transformers.activations", "GELUActivation"): ("gelu", {"approximate": "none"}),
-    ("transformers.activations", "NewGELUActivation"): _GELU_TANH,
-    ("transformers.activations", "GELUTanh"): _GELU_TANH,
-    ("transformers.activations", "PytorchGELUTanh"): _GELU_TANH,
-    ("transformers.activations", "FastGELUActivation"): _GELU_TANH,  # 0.7978845608 = sqrt(2 / pi) to 1e-10
-    ("transformers.activations", "AccurateGELUActivation"): _GELU_TANH,
-    ("transformers.activations", "SiLUActivation"): ("silu", {}),
-    ("transformers.activations", "MishActivation"): ("mish", {}),
-    ("transformers.activations", "QuickGELUActivation"): ("quick_gelu", {}),
-    ("transformers.activations", "ReLUSquaredActivation"): ("relu_squared", {}),
-    ("transformers.activations", "ClippedGELUActivation"): "no table for GELU clipped to [min, max]: its derivative "
-    "is 0 where the clip binds",
-    ("transformers.activations", "LaplaceActivation"): "no registry entry for the Laplace activation",
-    ("transformers.activations", "SqrtSoftplusActivation"): "no registry entry for sqrt(softplus(x))",
-    ("transformers.activations", "XIELUActivation"): "XIELU has trainable parameters (they would get no gradient)",
-    ("transformers.activations", "LinearActivation"): None,  # the identity: saves nothing, nothing to convert
-    ("timm.layers.activations", "GELU"): ("gelu", {"approximate": "none"}),
-    ("timm.layers.activations", "GELUTanh"): _GELU_TANH,
-    ("timm.layers.activations", "QuickGELU"): ("quick_gelu", {}),
-    ("timm.layers.activations", "Swish"): ("silu", {}),
-    ("timm.layers.activations", "SiLU"): ("silu", {}),
-    ("timm.layers.activations", "Mish"): ("mish", {}),
-    ("timm.layers.activations", "Sigmoid"): ("sigmoid", {}),
-    ("timm.layers.activations", "Tanh"): ("tanh", {}),
-    ("timm.layers.activations", "HardSwish"): ("hardswish", {}),
-    ("timm.layers.activations", "HardSigmoid"): ("hardsigmoid", {}),
-    ("timm.layers.activations", "HardMish"): "no registry entry for hard mish",
-    ("timm.layers.activations", "PReLU"): "PReLU has a trainable slope (it would get no gradient)",
-    ("timm.layers.activations", "GELUTanhFast"): _GELU_TANH,
-}
-
-_TORCH_UNSUPPORTED = {
-    "PReLU": "PReLU has a trainable slope (it would get no gradient)",
-    "RReLU": "RReLU has a random slope in training: no fixed derivative to tabulate",
-}
+REPORT_MESSAGE = (
+    "convert(report={report!r}): convert always returns the model; the report of the conversion is the attribute "
+    "model.fewbit_report of the returned model (drop report=)"
+)
 
 _OUTPUT_ONLY_REASON = (
     "its native backward saves only its output, and it sits where the next layer (convolution, linear, norm, "
@@ -175,58 +150,7 @@ class ConversionReport:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Recognition
-
-
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _ecosystem_entry(module: torch.nn.Module):
-    """ECOSYSTEM's entry for the module's exact class, ``KeyError`` when it is not an ecosystem class."""
-    cls = type(module)
-    for (library, name), entry in ECOSYSTEM.items():
-        imported = sys.modules.get(library)
-        if imported is not None and getattr(imported, name, None) is cls:
-            return entry
-    raise KeyError(cls)
-
-
-def _has_registry_entry(name: str) -> bool:
-    try:
-        activations.get(name)
-    except FewBitError:
-        return False
-    return True
-
-
-@dataclass
-class _Candidate:
-    """A recognised activation module: how to build its replacement."""
-
-    activation: str  # registry name
-    params: dict[str, Any]
-    torch_class: bool  # a torch.nn class (few-bit nn module) or a library class (FewBit wrapper)
-
-
-def _recognise(module: torch.nn.Module) -> _Candidate | str | None:
-    """A candidate, a reason why this activation is left alone, or None when it is not an activation module."""
-    entry = _entry_for(type(module))
-    if entry is not None:
-        params = {name: getattr(module, name) for name in entry.defaults if hasattr(module, name)}
-        return _Candidate(entry.name, params, torch_class=True)
-    if getattr(torch.nn, type(module).__name__, None) is type(module) and type(module).__name__ in _TORCH_UNSUPPORTED:
-        return _TORCH_UNSUPPORTED[type(module).__name__]
-    try:
-        found = _ecosystem_entry(module)
-    except KeyError:
-        return None
-    if found is None or isinstance(found, str):
-        return found
-    name, params = found
-    if not _has_registry_entry(name):
-        return f"no registry entry {name!r} for it yet (so no table)"
-    return _Candidate(name, dict(params), torch_class=False)
+# Describing a replacement (what is recognised and where: .matching)
 
 
 def _describe(name: str, params: Mapping[str, Any]) -> str:
@@ -235,66 +159,8 @@ def _describe(name: str, params: Mapping[str, Any]) -> str:
     return f"{name}(" + ", ".join(f"{key}={value!r}" for key, value in params.items()) + ")"
 
 
-# which activations save only their output, probed once per (class, hyper-parameters)
-_OUTPUT_ONLY: dict[tuple[type, str], bool] = {}
-
-
-def _saves_only_output(module: torch.nn.Module) -> bool:
-    key = (type(module), repr(module))
-    if key not in _OUTPUT_ONLY:
-        saved: list[torch.Tensor] = []
-        try:
-            # in normal grad mode whatever the caller's (under no_grad or inference_mode nothing would be saved)
-            with torch.inference_mode(False), torch.enable_grad():
-                x = torch.linspace(-3.0, 3.0, 16).requires_grad_().clone()
-                with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-                    y = module(x)
-            output = memory.storage_key(y)
-            _OUTPUT_ONLY[key] = bool(saved) and all(memory.storage_key(t) == output for t in saved)
-        except Exception:  # a module that cannot run on a small float32 vector: no claim, convert it
-            _OUTPUT_ONLY[key] = False
-    return _OUTPUT_ONLY[key]
-
-
-# layers whose backward saves their input: an output-saving activation right before one frees nothing when replaced
-_SAVE_INPUT = (
-    torch.nn.Linear,
-    torch.nn.modules.conv._ConvNd,
-    torch.nn.modules.batchnorm._NormBase,
-    torch.nn.LayerNorm,
-    torch.nn.GroupNorm,
-    torch.nn.modules.pooling._MaxPoolNd,
-)
-_CONVOLUTIONAL = (torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase)
-
-
-def _output_saved_by_neighbour(slot: _Slot) -> bool:
-    """The common cases where an activation's output is saved by the next layer: the activation sits in a
-    convolutional block (its parent holds convolutions or batch norms at any depth: ResNet blocks, torchvision and
-    Hugging Face alike, where the next convolution, norm or pooling takes the output), or the next module of its
-    Sequential saves its input."""
-    for parent, attribute, _ in slot.places:
-        children = [(name, child) for name, child in parent._modules.items() if child is not None]
-        if any(isinstance(module, _CONVOLUTIONAL) for module in parent.modules()):
-            return True
-        if isinstance(parent, torch.nn.Sequential):
-            names = [name for name, _ in children]
-            position = names.index(attribute)
-            if position + 1 < len(children) and isinstance(children[position + 1][1], _SAVE_INPUT):
-                return True
-    return False
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # Measurement on an example input
-
-
-def _run_example(model: torch.nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, tuple | list):
-        return model(*example_inputs)
-    return model(example_inputs)
 
 
 def _exclusive_bytes(
@@ -384,12 +250,6 @@ def _check_filter(filter: Filter) -> None:
     )
 
 
-def canonical_name(name: str) -> str:
-    """A module's qualified name without the ``_orig_mod`` parts that ``torch.compile`` wraps a model in: the name
-    the same module has in the model that was compiled (``'_orig_mod.1'`` -> ``'1'``)."""
-    return ".".join(part for part in name.split(".") if part != "_orig_mod")
-
-
 def _check_tables(tables: Mapping[str, TableLike] | None) -> dict[str, tuple[str, Table]]:
     """``{canonical name: (name as given, Table)}``, every table loaded and checked."""
     if tables is None:
@@ -440,56 +300,6 @@ def _device_of(module: torch.nn.Module) -> torch.device | None:
     return None
 
 
-@dataclass
-class _Slot:
-    """One module object of the model with every (parent, attribute, qualified name) it sits at (the model itself:
-    no place, name '')."""
-
-    module: torch.nn.Module
-    places: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
-    root: bool = False
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        if self.root:
-            return ("",)
-        return tuple(dict.fromkeys(name for _, _, name in self.places))
-
-
-def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
-    """Every submodule object once (in ``named_modules`` order) with all the places it occupies: each attribute
-    that holds it and each qualified name it has (a module used twice in one parent, or inside a module that is
-    itself shared, has several); not below few-bit modules. With ``root``, a model that has no children (an
-    activation module given alone) is its own slot."""
-    if root and not model._modules:
-        return [_Slot(model, root=True)]
-    found: dict[int, _Slot] = {}
-    ancestors: set[int] = set()
-
-    def walk(parent: torch.nn.Module, prefix: str) -> None:
-        ancestors.add(id(parent))
-        for child_name, child in parent._modules.items():  # not named_children(): it de-duplicates
-            if child is None:
-                continue
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            slot = found.setdefault(id(child), _Slot(child))
-            slot.places.append((parent, child_name, name))
-            if not isinstance(child, FewBitModule) and id(child) not in ancestors:
-                walk(child, name)
-        ancestors.discard(id(parent))
-
-    walk(model, "")
-    return list(found.values())
-
-
-def _unique_places(slot: _Slot) -> list[tuple[torch.nn.Module, str]]:
-    """The (parent, attribute) pairs that hold the slot's module, each once (a shared parent is reached twice)."""
-    seen: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
-    for parent, attribute, _ in slot.places:
-        seen.setdefault((id(parent), attribute), (parent, attribute))
-    return list(seen.values())
-
-
 def convert(
     model: torch.nn.Module,
     *,
@@ -502,9 +312,11 @@ def convert(
     example_inputs: Any = None,
     strict: bool = False,
     report: bool = False,
-) -> torch.nn.Module | tuple[torch.nn.Module, ConversionReport]:
-    """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, or
-    ``(model, ConversionReport)`` with ``report=True``.
+) -> torch.nn.Module:
+    """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, always.
+
+    What was done is the :class:`ConversionReport` in the returned model's attribute ``fewbit_report``, set by every
+    call (the next call overwrites it). ``report=True`` (an older form that returned ``(model, report)``) raises.
 
     Recognised modules (see the module docstring) get the shipped table for (``bits``, ``weight``, ``mode``) of
     the function they compute. Options:
@@ -522,6 +334,7 @@ def convert(
       saved for backward: by a rule (native backward saves only the output) or, with ``example_inputs`` (a tensor,
       a tuple of positional arguments or a dict of keyword arguments for ``model``), by measuring one forward pass.
     * ``strict``: raise :class:`FewBitError` when an activation module without few-bit support is present.
+    * ``report``: must stay False; read ``model.fewbit_report`` instead.
 
     Every argument is checked first, whatever the model holds. The conversion is all or nothing: every replacement
     is built (its table found and checked) before the first module is swapped, so an error leaves the model as it
@@ -534,6 +347,8 @@ def convert(
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    if report is not False:
+        raise FewBitError(REPORT_MESSAGE.format(report=report))
     bits = check_bits(bits)
     check_choice("weight", weight, WEIGHTS)
     check_choice("mode", mode, MODES)
@@ -559,7 +374,8 @@ def convert(
             "it has no activation module the runtime recognises"
         )
         warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
-    return (converted, result) if report else converted
+    converted.fewbit_report = result
+    return converted
 
 
 def _convert(

@@ -20,8 +20,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .lookup import TableLike, resolve_table
 from .ops import fewbit_activation, table_tensors
-from .tables import TableLike, resolve_table
 
 __all__ = [
     "relu",

@@ -32,8 +32,8 @@ from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
 from .functional import quick_gelu_native, relu_squared_native
+from .lookup import TableLike, as_table, resolve_table
 from .ops import decode_table, encode_table, fewbit_activation
-from .tables import TableLike, as_table, resolve_table
 
 __all__ = [
     "FewBitModule",

@@ -16,9 +16,10 @@ Contract (DESIGN.md "Runtime contract"):
 
 Layers: ``quantize_reference`` / ``scale_reference`` (pure torch, any device: the oracle), numba CPU kernels
 (:mod:`._numba_kernels`), Triton kernels (:mod:`._triton_kernels`); the launchers ``quantize`` / ``scale`` pick one
-by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`use_backend` force one); the
-custom ops ``torch.ops.fewbit.quantize`` / ``torch.ops.fewbit.scale`` (with fake kernels, for ``torch.compile``);
-and :func:`fewbit_activation`, the autograd entry point used by :mod:`fewbit_design.runtime.nn`.
+by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`use_backend` force one): these
+live in :mod:`.backends` and are re-exported here. This module holds the custom ops ``torch.ops.fewbit.quantize`` /
+``torch.ops.fewbit.scale`` (with fake kernels, for ``torch.compile``) and :func:`fewbit_activation`, the autograd
+entry point used by :mod:`fewbit_design.runtime.nn`.
 
 >>> import torch, torch.nn.functional as F
 >>> from fewbit_design.table import Table
@@ -34,23 +35,36 @@ and :func:`fewbit_activation`, the autograd entry point used by :mod:`fewbit_des
 
 from __future__ import annotations
 
-import contextlib
-import functools
 import math
-import os
-import sys
-import threading
-import weakref
-from collections.abc import Callable, Iterator
-from typing import Any, NamedTuple
+from collections.abc import Callable
 
-import numpy as np
 import torch
 
-from ...errors import FewBitError, check_choice
-from ...table import Table
-from .._packing import pack_reference, packed_nbytes, unpack_reference
-from .tables import check_kernel_table
+from ...errors import FewBitError
+from .backends import (
+    BACKEND_ENV,
+    BACKENDS,
+    MULTI,
+    SUPPORTED_DTYPES,
+    TableTensors,
+    backend_for,
+    boundaries_float32,
+    build_lut16,
+    build_lut32,
+    decode_table,
+    direct_lut32,
+    encode_table,
+    quantize,
+    quantize_numba,
+    quantize_reference,
+    quantize_triton,
+    scale,
+    scale_numba,
+    scale_reference,
+    scale_triton,
+    table_tensors,
+    use_backend,
+)
 
 __all__ = [
     "BACKENDS",
@@ -77,475 +91,6 @@ __all__ = [
     "fewbit_activation",
     "nonfinite_record",
 ]
-
-BACKENDS = ("auto", "reference", "numba", "triton")
-BACKEND_ENV = "FEWBIT_BACKEND"
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Table tensors
-
-
-class TableTensors(NamedTuple):
-    """A table as tensors on one device, in both compute dtypes (all constant size)."""
-
-    bits: int
-    boundaries32: torch.Tensor  # float32, each boundary rounded up to the next float32
-    boundaries64: torch.Tensor  # float64, exact
-    interval_codes: torch.Tensor  # uint8, one code per interval
-    levels32: torch.Tensor  # float32 (round to nearest)
-    levels64: torch.Tensor  # float64, exact
-
-    def for_input(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """(boundaries, levels) in the compute dtype of an input of ``dtype``."""
-        if dtype == torch.float64:
-            return self.boundaries64, self.levels64
-        return self.boundaries32, self.levels32
-
-
-def boundaries_float32(boundaries: np.ndarray) -> np.ndarray:
-    """Each boundary rounded up to the smallest float32 >= it: ``x >= result`` iff ``x >= boundary`` for float32 x.
-
-    >>> boundaries_float32(np.array([0.1, 0.5])).tolist() == [np.float32(0.1).item(), 0.5]
-    True
-    """
-    exact = np.asarray(boundaries, dtype=np.float64)
-    with np.errstate(over="ignore"):  # beyond the float32 range: inf, then the comparison below keeps it right
-        rounded = exact.astype(np.float32)
-    below = rounded.astype(np.float64) < exact
-    rounded[below] = np.nextafter(rounded[below], np.float32(np.inf))
-    return rounded
-
-
-def _check_table(table: Any) -> Table:
-    if not isinstance(table, Table):
-        raise FewBitError(f"expected a fewbit_design.table.Table, got {type(table).__name__}")
-    return check_kernel_table(table)
-
-
-def encode_table(table: Table) -> dict[str, torch.Tensor]:
-    """The table as CPU *integer* tensors (float bit patterns), to be registered as module buffers.
-
-    Integer buffers are left alone by ``module.half()`` / ``module.to(torch.bfloat16)``, which would otherwise round
-    boundaries and levels; :func:`decode_table` views them back as floats.
-    """
-    _check_table(table)
-    return {
-        "boundaries32": torch.from_numpy(boundaries_float32(table.boundaries).view(np.int32).copy()),
-        "boundaries64": torch.from_numpy(table.boundaries.astype(np.float64).view(np.int64).copy()),
-        "interval_codes": torch.from_numpy(table.codes.astype(np.uint8)),
-        "levels32": torch.from_numpy(table.levels.astype(np.float32).view(np.int32).copy()),
-        "levels64": torch.from_numpy(table.levels.astype(np.float64).view(np.int64).copy()),
-    }
-
-
-def decode_table(bits: int, encoded: dict[str, torch.Tensor]) -> TableTensors:
-    """Float views of :func:`encode_table`'s tensors (no copy; traceable by ``torch.compile``)."""
-    return TableTensors(
-        bits,
-        encoded["boundaries32"].view(torch.float32),
-        encoded["boundaries64"].view(torch.float64),
-        encoded["interval_codes"],
-        encoded["levels32"].view(torch.float32),
-        encoded["levels64"].view(torch.float64),
-    )
-
-
-_TENSOR_CACHE: weakref.WeakKeyDictionary[Table, dict[str, TableTensors]] = weakref.WeakKeyDictionary()
-_TENSOR_CACHE_LOCK = threading.Lock()
-
-
-def table_tensors(table: Table, device: torch.device | str | None = None) -> TableTensors:
-    """The table's tensors on ``device`` (default CPU), converted once per (table, device) and cached."""
-    _check_table(table)
-    device = torch.device(device if device is not None else "cpu")
-    key = str(device)
-    with _TENSOR_CACHE_LOCK:
-        per_device = _TENSOR_CACHE.setdefault(table, {})
-        if key not in per_device:
-            # normal tensors even under torch.inference_mode: the cache outlives the block, and inference tensors
-            # cannot be saved for backward in training later
-            with torch.inference_mode(False):
-                encoded = {name: tensor.to(device) for name, tensor in encode_table(table).items()}
-                per_device[key] = decode_table(int(table.bits), encoded)
-        return per_device[key]
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Pure-torch reference (the oracle; any device)
-
-
-def _check_input(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> None:
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise FewBitError(f"few-bit activations take float32, float16, bfloat16 or float64 input, got {x.dtype}")
-    expected = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if boundaries.dtype != expected:
-        raise FewBitError(f"boundaries must be {expected} for {x.dtype} input, got {boundaries.dtype}")
-    if interval_codes.numel() != boundaries.numel() + 1:
-        raise FewBitError(
-            f"interval_codes must have len(boundaries) + 1 = {boundaries.numel() + 1} entries, "
-            f"got {interval_codes.numel()}"
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise FewBitError(f"bits must be an integer from 1 to 8, got {bits!r}")
-
-
-def quantize_reference(
-    x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
-) -> torch.Tensor:
-    """Packed codes of x (flattened in contiguous order): uint8, ``ceil(numel / 8) * bits`` bytes."""
-    _check_input(x, boundaries, interval_codes, bits)
-    flat = x.detach().reshape(-1).to(boundaries.dtype).contiguous()
-    # interval = number of boundaries <= x (searchsorted right); NaN goes to the last interval
-    interval = torch.searchsorted(boundaries, flat, right=True)
-    interval = torch.where(torch.isnan(flat), boundaries.numel(), interval)
-    codes = interval_codes.to(torch.int64)[interval]
-    return pack_reference(codes, bits)
-
-
-def scale_reference(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """grad * levels[code] computed in the dtype of ``levels``, returned in grad's dtype and shape (contiguous).
-
-    A zero level gives +0 whatever grad is (torch's backward *selects* 0 there: relu, hardtanh, hardshrink, ...),
-    not grad * 0, which is -0 for a negative grad and NaN for a non-finite one.
-    """
-    codes = unpack_reference(packed, bits, grad.numel())
-    selected = levels[codes]
-    product = grad.detach().reshape(-1).to(levels.dtype) * selected
-    product = torch.where(selected == 0, torch.zeros((), dtype=levels.dtype, device=product.device), product)
-    return product.to(grad.dtype).reshape(grad.shape)
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# numba CPU kernels
-
-
-_LUT_CACHE: dict[tuple, Any] = {}
-_LUT_CACHE_SIZE = 256
-# A float32 table with more buckets holding a boundary than this runs the branchless kernel (see _numba_kernels):
-# gelu has 9-20 boundaries at 3-4 bits (direct kernel, faster there), 39-353 at 5-8 bits (branchless, 3.4x faster
-# at 8 bits on N(0, 1) input).
-BRANCHLESS_SPLITS = 24
-#: The entry of :func:`build_lut32` for a bucket with several code changes (t = 0 with A != B: no other bucket has it).
-MULTI = 0xFF00
-
-
-def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
-    """The float32 lookup table of ``quantize_pack_lut32`` (uint32[65536]).
-
-    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B means code = A if
-    (pattern & 0xFFFF) >= t else B (t = 0 and A = B for a bucket without a boundary). A bucket holding two or more
-    code changes (boundaries closer than 2^-7 relative, e.g. in silu's 8-bit table) gets the entry ``MULTI``
-    (t = 0, A = 0xFF != B = 0, which no other bucket has), and its elements are resolved by a binary search over the
-    boundaries: rare, so the kernels stay a table lookup for almost every element. Built by evaluating the exact
-    float32 comparisons (numpy searchsorted, NaN last) at every pattern of the buckets where the interval changes.
-    """
-    boundaries32 = np.ascontiguousarray(boundaries32, dtype=np.float32)
-    codes = np.asarray(interval_codes, dtype=np.int64)
-
-    def intervals(patterns: np.ndarray) -> np.ndarray:
-        return np.searchsorted(boundaries32, patterns.astype(np.uint32).view(np.float32), side="right")
-
-    buckets = np.arange(65536, dtype=np.uint64) << np.uint64(16)
-    first = intervals(buckets)
-    last = intervals(buckets | np.uint64(0xFFFF))
-    threshold = np.zeros(65536, dtype=np.uint64)
-    above = codes[first].astype(np.uint64)
-    below = above.copy()
-    multi = np.zeros(65536, dtype=bool)
-    lows = np.arange(65536, dtype=np.uint64)
-    for bucket in np.nonzero(first != last)[0]:
-        bucket_codes = codes[intervals((np.uint64(bucket) << np.uint64(16)) | lows)]
-        changes = np.nonzero(bucket_codes[1:] != bucket_codes[:-1])[0]
-        if len(changes) == 0:
-            continue
-        if len(changes) > 1:
-            multi[bucket] = True
-            continue
-        threshold[bucket] = changes[0] + 1
-        below[bucket] = bucket_codes[0]
-        above[bucket] = bucket_codes[-1]
-    entries = (threshold << np.uint64(16)) | (above << np.uint64(8)) | below
-    entries[multi] = MULTI
-    return entries.astype(np.uint32)
-
-
-def direct_lut32(lut: np.ndarray) -> np.ndarray:
-    """The bucket codes of :func:`build_lut32` (uint16[65536]): ``SPLIT`` (0x100) where a bucket holds one boundary,
-    ``SPLIT_MULTI`` (0x200) where it holds several."""
-    direct = np.where((lut >> 16) == 0, lut & 0xFF, 0x100).astype(np.uint16)
-    direct[lut == MULTI] = 0x200
-    return direct
-
-
-def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
-    """Code of every float16 or bfloat16 bit pattern (uint8[65536]), compared in float32 (exact upcast)."""
-    patterns = np.arange(65536, dtype=np.uint32)
-    if dtype == torch.float16:
-        values = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
-    elif dtype == torch.bfloat16:
-        values = (patterns << np.uint32(16)).view(np.float32)
-    else:
-        raise FewBitError(f"build_lut16 takes float16 or bfloat16, got {dtype}")
-    intervals = np.searchsorted(np.asarray(boundaries32, dtype=np.float32), values, side="right")
-    return np.asarray(interval_codes, dtype=np.uint8)[intervals]
-
-
-def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor) -> Any:
-    # keyed by content (a few hundred bytes), so equal tables share a LUT and a reused address never aliases
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    key = (str(dtype), boundaries_np.tobytes(), codes_np.tobytes())
-    if key not in _LUT_CACHE:
-        if len(_LUT_CACHE) >= _LUT_CACHE_SIZE:
-            _LUT_CACHE.clear()
-        if dtype == torch.float32:
-            lut = build_lut32(boundaries_np, codes_np)
-            direct = direct_lut32(lut)
-            _LUT_CACHE[key] = (direct, lut, int(np.count_nonzero(direct == 0x100)) > BRANCHLESS_SPLITS)
-        else:
-            _LUT_CACHE[key] = build_lut16(dtype, boundaries_np, codes_np)
-    return _LUT_CACHE[key]
-
-
-def _numba_kernels():
-    from . import _numba_kernels
-
-    return _numba_kernels
-
-
-def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).contiguous()
-
-
-# Outputs of at least this many bytes are allocated by numpy and shared with torch (torch.from_numpy): numpy asks the
-# kernel for transparent huge pages on large arrays (madvise), so first touching a 64 MiB gradient costs ~512x fewer
-# page faults. Measured on the 2-core dev machine, 2^24 float32: allocate + fill 28.6 ms with torch.empty, 13.8 ms
-# with np.empty (benchmarks/runtime_speed.py shows it as the backward time).
-_NUMPY_ALLOCATION_BYTES = 1 << 22
-
-
-#: Elements per block of the float16 / bfloat16 backward on CPU (a multiple of 8 and of CHUNK): its two float32 buffers
-#: take 8 * SCALE_BLOCK bytes (4 MiB), enough for every thread of the pool to get a part of each block.
-SCALE_BLOCK = 1 << 19
-
-
-def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in (torch.float32, torch.float64, torch.uint8):
-        return torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype))
-    return torch.empty(numel, dtype=dtype)
-
-
-def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """numba CPU kernel of :func:`quantize_reference` (bitwise equal)."""
-    _check_input(x, boundaries, interval_codes, bits)
-    if x.device.type != "cpu":
-        raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
-    numel = x.numel()
-    out = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
-    if numel == 0:
-        return out
-    kernels = _numba_kernels()
-    flat = _flat_contiguous(x)
-    out_np = out.numpy()
-    if x.dtype in (torch.float16, torch.bfloat16):
-        lut16 = _cached_lut(x.dtype, boundaries, interval_codes)
-        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
-        kernels.run(kernels.quantize_pack_lut16, numel, x_bits, lut16, bits, out_np)
-        return out
-    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
-    use_lut = x.dtype == torch.float32 and sys.byteorder == "little"
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    if use_lut:
-        direct, lut32, branchless = _cached_lut(x.dtype, boundaries, interval_codes)
-        x_np = flat.numpy()
-        x_halves = x_np.view(np.uint16)
-        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
-        if branchless:
-            kernels.run(kernels.quantize_pack_lut32_branchless(bits), numel, x_halves, lut32, *search, out_np)
-            if bits == 8:  # codes are written in place there, one per byte: zero the group's padding bytes
-                out_np[numel:] = 0
-        else:
-            kernels.run(kernels.quantize_pack_lut32(bits), numel, x_halves, direct, lut32, *search, out_np)
-    else:
-        kernels.run(kernels.quantize_pack_compare, numel, flat.numpy(), boundaries_np, codes_np, bits, out_np)
-    return out
-
-
-def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """numba CPU kernel of :func:`scale_reference` (bitwise equal)."""
-    if grad.device.type != "cpu":
-        raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {grad.device}")
-    _check_packed(packed, bits, grad.numel())
-    if grad.numel() == 0:
-        return torch.empty_like(grad, memory_format=torch.contiguous_format)
-    kernels = _numba_kernels()
-    kernel = kernels.unpack_scale(bits)
-    flat = _flat_contiguous(grad)
-    numel = flat.numel()
-    levels_np = levels.detach().cpu().numpy()
-    packed_np = packed.detach().numpy()
-    if flat.dtype == levels.dtype:
-        out = _empty_cpu(numel, flat.dtype)
-        kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
-        return out.reshape(grad.shape)
-    # float16 / bfloat16 gradients: computed in float32 and rounded once, a block of SCALE_BLOCK elements at a time
-    # (two float32 buffers of one block), so the backward's memory stays that of the gradients (issue 20.14: a
-    # whole-tensor float32 copy and product took 4x the gradient's bytes)
-    out = torch.empty(numel, dtype=grad.dtype)
-    block = min(numel, SCALE_BLOCK)
-    grad32 = torch.empty(block, dtype=levels.dtype)
-    out32 = torch.empty(block, dtype=levels.dtype)
-    for start in range(0, numel, block):
-        stop = min(start + block, numel)
-        count = stop - start
-        grad32[:count].copy_(flat[start:stop])
-        # a block starts on a group of 8 elements (SCALE_BLOCK is a multiple of 8): its codes start at byte
-        # start // 8 * bits
-        codes = packed_np[start // 8 * bits : packed_nbytes(stop, bits)]
-        kernels.run(kernel, count, grad32[:count].numpy(), codes, levels_np, out32[:count].numpy())
-        out[start:stop].copy_(out32[:count])
-    return out.reshape(grad.shape)
-
-
-def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
-    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel, bits):
-        raise FewBitError(
-            f"packed codes must be {packed_nbytes(numel, bits)} uint8 bytes for {numel} elements at {bits} bits, "
-            f"got {packed.numel()} {packed.dtype}"
-        )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _triton_kernels():
-    from . import _triton_kernels
-
-    return _triton_kernels
-
-
-def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Triton kernel of :func:`quantize_reference` (bitwise equal)."""
-    _check_input(x, boundaries, interval_codes, bits)
-    numel = x.numel()
-    out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
-    if numel == 0:
-        return out
-    kernels = _triton_kernels()
-    flat = _flat_contiguous(x)
-    block = kernels.BLOCK_GROUPS
-    grid = (_cdiv(_cdiv(numel, 8), block),)
-    in_bf16 = x.dtype == torch.bfloat16
-    kernels._fewbit_forward_kernel[grid](
-        flat.view(torch.int16) if in_bf16 else flat,
-        boundaries.contiguous(),
-        interval_codes.to(torch.int32).contiguous(),
-        out,
-        numel,
-        boundaries.numel(),
-        BITS=bits,
-        BLOCK_GROUPS=block,
-        IN_BF16=in_bf16,
-    )
-    return out
-
-
-def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """Triton kernel of :func:`scale_reference` (bitwise equal)."""
-    numel = grad.numel()
-    _check_packed(packed, bits, numel)
-    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-    if numel == 0:
-        return out
-    kernels = _triton_kernels()
-    block = kernels.BLOCK_GROUPS
-    grid = (_cdiv(_cdiv(numel, 8), block),)
-    flat = _flat_contiguous(grad)
-    in_bf16 = grad.dtype == torch.bfloat16
-    kernels._fewbit_backward_kernel[grid](
-        flat.view(torch.int16) if in_bf16 else flat,
-        packed,
-        levels.contiguous(),
-        out,
-        numel,
-        BITS=bits,
-        BLOCK_GROUPS=block,
-        OUT_BF16=in_bf16,
-    )
-    return out
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Dispatch
-
-
-_forced = threading.local()
-
-
-@contextlib.contextmanager
-def use_backend(name: str | None) -> Iterator[None]:
-    """Force a backend ('reference', 'numba', 'triton' or 'auto') inside the block (this thread), e.g. in tests.
-
-    Outside any block the ``FEWBIT_BACKEND`` environment variable decides (default 'auto': CUDA -> Triton,
-    CPU -> numba, other devices -> reference; a backend that cannot be imported falls back to the reference).
-    """
-    if name is not None:
-        check_choice("backend", name, BACKENDS)
-    previous = getattr(_forced, "name", None)
-    _forced.name = name
-    try:
-        yield
-    finally:
-        _forced.name = previous
-
-
-@functools.cache
-def _importable(module: str) -> bool:
-    import importlib.util
-
-    return importlib.util.find_spec(module) is not None
-
-
-def backend_for(device: torch.device) -> str:
-    """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
-    name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
-    check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
-    if name in ("numba", "triton") and not _importable(name):
-        raise FewBitError(
-            f"backend {name!r} ({BACKEND_ENV} or use_backend) needs {name}, which is not installed: "
-            f"pip install {name}, or use 'auto' (falls back to the pure-torch reference)"
-        )
-    if name != "auto":
-        return name
-    if device.type == "cuda" and _importable("triton"):
-        return "triton"
-    if device.type == "cpu" and _importable("numba"):
-        return "numba"
-    return "reference"
-
-
-_QUANTIZE = {"reference": quantize_reference, "numba": quantize_numba, "triton": quantize_triton}
-_SCALE = {"reference": scale_reference, "numba": scale_numba, "triton": scale_triton}
-
-
-def quantize(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed codes of x with the backend for x's device."""
-    return _QUANTIZE[backend_for(x.device)](x, boundaries, interval_codes, bits)
-
-
-def scale(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """grad * levels[code] with the backend for grad's device."""
-    return _SCALE[backend_for(grad.device)](grad, packed, levels, bits)
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -1,4 +1,4 @@
-"""Finding and loading tables for the runtime: the shipped set, table files, and checks against a module.
+"""The runtime lookup of tables: finding and loading them (the shipped set, table files) and checks against a module.
 
 The shipped tables live in the package folder ``fewbit_design/tables/`` with an index ``index.json``
 (format ``fewbit-index/1``) that lists, for every table file, its activation, params, bits, mode, symmetric flag
@@ -75,7 +75,7 @@ def check_kernel_table(table: Table) -> Table:
 
     Levels must be finite in float32 (the compute dtype of float32, float16 and bfloat16 inputs): a level of 1e300
     is finite in float64 but would give infinite gradients. Boundaries need no such check: one beyond the float32
-    range rounds up to +inf or to the lowest float32 (:func:`~fewbit_design.runtime.fewbit.ops.boundaries_float32`),
+    range rounds up to +inf or to the lowest float32 (:func:`~.backends.boundaries_float32`),
     and ``x >= boundary`` still holds for exactly the same float32 x (+inf: only x = +inf, as in float64), so the
     intervals stay exact.
     """
