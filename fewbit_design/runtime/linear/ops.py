@@ -109,7 +109,7 @@ class _SharedCodes:
         self._lock = threading.Lock()
 
     def get(self, x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
-        if x.grad_fn is None or torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or x.grad_fn is None:
             return make()
         key = (id(x), options)
         with self._lock:
