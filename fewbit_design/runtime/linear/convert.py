@@ -70,8 +70,9 @@ def convert(
     rounding: str = "stochastic",
     filter: Callable[[str, torch.nn.Module], bool] | None = None,
 ) -> torch.nn.Module:
-    """Compress the saved inputs of every ``nn.Linear`` and ``Conv1D`` of ``model`` in place; returns the model
-    (the module itself when ``model`` is one linear layer) with the report as ``model.linear_report``.
+    """Compress the saved inputs of every ``nn.Linear`` and ``Conv1D`` of ``model`` in place (each is replaced at
+    its places by a compressed module holding the same parameters, see :func:`~.nn.compress_module`); returns the
+    model (the replacement when ``model`` itself is one linear layer) with the report as ``model.linear_report``.
 
     Args:
         bits: code width, 2 to 8.
@@ -87,29 +88,29 @@ def convert(
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
     report = LinearReport(bits, group_size, rounding)
     conv1d = _conv1d_class()
-    seen: set[int] = set()
-    for name, module in model.named_modules(remove_duplicate=False):
-        if id(module) in seen:
-            continue
-        kind = type(module)
+    decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
+
+    def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
+        if id(module) in decided:  # a module at several places: one decision, one shared replacement
+            return decided[id(module)]
+        kind, replacement = type(module), None
+        target = {torch.nn.Linear: CompressedLinear, conv1d: CompressedConv1D}.get(kind)
         if isinstance(module, CompressedLinear | CompressedConv1D):
-            seen.add(id(module))
             report.already += 1
-            continue
-        if kind is torch.nn.Linear:
-            target = CompressedLinear
-        elif conv1d is not None and kind is conv1d:
-            target = CompressedConv1D
-        elif isinstance(module, torch.nn.Linear):
-            seen.add(id(module))
+        elif target is None and isinstance(module, torch.nn.Linear):
             report.skipped.append((name, kind.__name__, "a subclass of nn.Linear: its forward may differ"))
-            continue
-        else:
-            continue
-        seen.add(id(module))
-        if filter is not None and not filter(name, module):
-            continue
-        compress_module(module, target, bits=bits, group_size=group_size, rounding=rounding)
-        report.replaced.append((name, kind.__name__))
-    model.linear_report = report
-    return model
+        elif target is not None and (filter is None or filter(name, module)):
+            replacement = compress_module(module, target, bits=bits, group_size=group_size, rounding=rounding)
+            report.replaced.append((name, kind.__name__))
+        decided[id(module)] = replacement
+        return replacement
+
+    root = decide("", model) or model
+    for parent_name, parent in list(root.named_modules(remove_duplicate=False)):
+        for attribute, child in list(parent._modules.items()):
+            if child is not None:
+                replacement = decide(f"{parent_name}.{attribute}" if parent_name else attribute, child)
+                if replacement is not None:
+                    parent._modules[attribute] = replacement
+    root.linear_report = report
+    return root

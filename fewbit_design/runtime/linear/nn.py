@@ -4,6 +4,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .ops import compressed_linear
@@ -84,13 +86,14 @@ class CompressedConv1D(_Compressed, torch.nn.Module):
 def compress_module(
     module: torch.nn.Module, target: type, *, bits: int, group_size: int, rounding: str
 ) -> torch.nn.Module:
-    """Turn ``module`` (an ``nn.Linear`` or a ``Conv1D``) into ``target`` in place and return it.
-
-    In place means the object keeps its identity: only its class changes (to ``target``, which adds the options and
-    a forward), so its parameters (the same ``Parameter`` objects: tied weights stay tied), buffers, hooks,
-    attributes, state-dict keys and every place it has in a model stay as they are.
-    """
+    """A ``target`` module that stands for ``module`` (an ``nn.Linear`` or a ``Conv1D``): it holds the same
+    ``Parameter`` objects (tied weights stay tied), buffers, hooks and attributes under the same names, so its
+    state-dict keys are the original's; ``module`` itself is not changed."""
     options = check_options(bits, group_size, rounding)
-    module.__class__ = target
-    module._set_options(*options)
-    return module
+    replacement = target.__new__(target)
+    # a shallow copy of the module's state: the dicts (parameters, buffers, hooks) are new, their entries the same
+    replacement.__dict__.update(
+        {key: copy.copy(value) if isinstance(value, dict | set) else value for key, value in vars(module).items()}
+    )
+    replacement._set_options(*options)
+    return replacement

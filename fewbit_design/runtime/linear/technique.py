@@ -15,7 +15,7 @@ from ..registry import Technique
 def _apply(block: torch.nn.Module, bits: int) -> torch.nn.Module:
     from .convert import convert
 
-    return convert(block, bits=bits)  # in place: the block (or the layer, when the block is one) stays at its place
+    return convert(block, bits=bits)  # in place; the replacement when the block is one linear layer
 
 
 def _config(settings: Mapping[str, Any]) -> int:
