@@ -1,0 +1,116 @@
+"""Convert a model's linear layers to compressed saved inputs, and say what was done.
+
+Recognised by exact class: ``torch.nn.Linear`` (-> :class:`~.nn.CompressedLinear`) and Hugging Face's
+``transformers.pytorch_utils.Conv1D`` (-> :class:`~.nn.CompressedConv1D`; looked at only when transformers is
+already imported, never imported here). Subclasses of ``nn.Linear`` are left alone with the reason in the report:
+their forward may differ (``NonDynamicallyQuantizableLinear``, the out-projection of ``nn.MultiheadAttention``, is
+never even called: the attention reads its weight). Modules that are compressed already are counted, not changed,
+so converting twice changes nothing.
+
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 8))
+>>> model = convert(model, bits=4)
+>>> print(model.linear_report)
+compressed 2 linear layer(s) (4 bits, groups of 64, stochastic rounding), left 0 alone
+  2 x Linear -> CompressedLinear
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from ...errors import FewBitError
+from .nn import CompressedConv1D, CompressedLinear, compress_module
+from .quant import GROUP_SIZE, check_options
+
+__all__ = ["convert", "LinearReport"]
+
+
+@dataclass
+class LinearReport:
+    """What :func:`convert` did: ``replaced`` (qualified names, original class), ``skipped`` (names, class,
+    reason) and how many layers were compressed already."""
+
+    bits: int
+    group_size: int
+    rounding: str
+    replaced: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    already: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"compressed {len(self.replaced)} linear layer(s) ({self.bits} bits, groups of {self.group_size}, "
+            f"{self.rounding} rounding), left {len(self.skipped)} alone"
+        ]
+        targets = {"Conv1D": CompressedConv1D.__name__}
+        for original, count in Counter(original for _, original in self.replaced).items():
+            lines.append(f"  {count} x {original} -> {targets.get(original, CompressedLinear.__name__)}")
+        for (original, reason), count in Counter((original, reason) for _, original, reason in self.skipped).items():
+            lines.append(f"  left alone: {count} x {original}: {reason}")
+        if self.already:
+            lines.append(f"  {self.already} layer(s) were compressed already")
+        return "\n".join(lines)
+
+
+def _conv1d_class() -> type | None:
+    utils = sys.modules.get("transformers.pytorch_utils")
+    return getattr(utils, "Conv1D", None) if utils is not None else None
+
+
+def convert(
+    model: torch.nn.Module,
+    bits: int = 8,
+    *,
+    group_size: int = GROUP_SIZE,
+    rounding: str = "stochastic",
+    filter: Callable[[str, torch.nn.Module], bool] | None = None,
+) -> torch.nn.Module:
+    """Compress the saved inputs of every ``nn.Linear`` and ``Conv1D`` of ``model`` in place (each is replaced at
+    its places by a compressed module holding the same parameters, see :func:`~.nn.compress_module`); returns the
+    model (the replacement when ``model`` itself is one linear layer) with the report as ``model.linear_report``.
+
+    Args:
+        bits: code width, 2 to 8.
+        group_size: values per (low, step) pair along the feature dimension (:mod:`.quant` explains 64).
+        rounding: ``'stochastic'`` (unbiased weight gradients, the default) or ``'nearest'`` (half the worst-case
+            error, biased).
+        filter: ``filter(name, module) -> bool``; only layers it accepts are converted.
+    """
+    bits, group_size, rounding = check_options(bits, group_size, rounding)
+    if not isinstance(model, torch.nn.Module):
+        raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    if filter is not None and not callable(filter):
+        raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
+    report = LinearReport(bits, group_size, rounding)
+    conv1d = _conv1d_class()
+    decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
+
+    def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
+        if id(module) in decided:  # a module at several places: one decision, one shared replacement
+            return decided[id(module)]
+        kind, replacement = type(module), None
+        target = {torch.nn.Linear: CompressedLinear, conv1d: CompressedConv1D}.get(kind)
+        if isinstance(module, CompressedLinear | CompressedConv1D):
+            report.already += 1
+        elif target is None and isinstance(module, torch.nn.Linear):
+            report.skipped.append((name, kind.__name__, "a subclass of nn.Linear: its forward may differ"))
+        elif target is not None and (filter is None or filter(name, module)):
+            replacement = compress_module(module, target, bits=bits, group_size=group_size, rounding=rounding)
+            report.replaced.append((name, kind.__name__))
+        decided[id(module)] = replacement
+        return replacement
+
+    root = decide("", model) or model
+    for parent_name, parent in list(root.named_modules(remove_duplicate=False)):
+        for attribute, child in list(parent._modules.items()):
+            if child is not None:
+                replacement = decide(f"{parent_name}.{attribute}" if parent_name else attribute, child)
+                if replacement is not None:
+                    parent._modules[attribute] = replacement
+    root.linear_report = report
+    return root

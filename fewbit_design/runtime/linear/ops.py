@@ -1,0 +1,165 @@
+"""The compressed linear op: an exact forward, and a backward whose weight gradient reads K-bit codes of the input.
+
+For ``y = x W^T + b`` (``nn.Linear``; Hugging Face's ``Conv1D`` is the same with the weight stored transposed,
+``y = x W + b``) the backward needs the input only for the weight gradient ``dW = g^T x``. The op keeps the input as
+K-bit group codes (:mod:`.quant`) instead of x, so:
+
+* forward: ``F.linear(x, W, b)`` (``torch.addmm(b, x, W)`` for Conv1D), the very call the native module makes: bitwise
+  equal to it;
+* ``dX = g W`` (exact: W is a parameter, kept anyway), ``db = sum of g`` over rows (exact);
+* ``dW = g^T x~`` with ``x~`` the decoded input: unbiased under stochastic rounding, and
+  ``|dW - g^T x| <= |g|^T step`` element-wise (half that with nearest rounding), ``step`` the per-group grid step.
+
+Saved for backward: the packed codes and the scales (:func:`.quant.saved_nbytes`), plus the weight (a parameter,
+which autograd's accounting does not count). When the weight does not require grad, nothing about x is needed and
+the op is not used (the native call saves only the weight).
+
+Shared inputs: a tensor computed in the forward (it has a ``grad_fn``) that several layers take, such as the
+normalised hidden state feeding the q, k and v projections or a gated MLP's gate and up projections, is quantized
+once per (bits, group size, rounding): the layers save one set of codes, as native saves one x. An input the caller
+created (no ``grad_fn``) is quantized afresh at every call. Under ``torch.compile`` every layer quantizes its input
+itself (no sharing).
+
+Custom ops (``torch.library``, fake kernels, ``register_autograd``): ``fewbit::compressed_linear`` (this op),
+``fewbit::group_quantize`` and ``fewbit::group_dequantize`` (:mod:`.quant`).
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+import torch
+
+from .quant import GROUP_SIZE, check_options
+
+__all__ = ["compressed_linear", "native_linear"]
+
+
+def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
+    """What the native module computes: ``F.linear`` (nn.Linear) or Conv1D's ``addmm`` on the flattened rows."""
+    if not transposed:
+        return torch.nn.functional.linear(x, weight, bias)
+    size_out = x.shape[:-1] + (weight.shape[1],)
+    rows = x.reshape(-1, x.shape[-1])
+    out = torch.addmm(bias, rows, weight) if bias is not None else torch.mm(rows, weight)
+    return out.view(size_out)
+
+
+@torch.library.custom_op("fewbit::compressed_linear", mutates_args=())
+def _compressed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    packed: torch.Tensor,
+    scales: torch.Tensor,
+    bits: int,
+    group_size: int,
+    transposed: bool,
+) -> torch.Tensor:
+    return native_linear(x, weight, bias, transposed)
+
+
+@_compressed_linear.register_fake
+def _(x, weight, bias, packed, scales, bits, group_size, transposed):
+    out_features = weight.shape[1] if transposed else weight.shape[0]
+    return x.new_empty(x.shape[:-1] + (out_features,))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, weight, bias, packed, scales, bits, group_size, transposed = inputs
+    ctx.save_for_backward(weight, packed, scales)
+    ctx.x_shape = x.shape
+    ctx.options = (bits, group_size, transposed)
+    ctx.has_bias = bias is not None
+
+
+def _backward(ctx, grad: torch.Tensor):
+    weight, packed, scales = ctx.saved_tensors
+    bits, group_size, transposed = ctx.options
+    features = ctx.x_shape[-1]
+    rows = grad.reshape(-1, grad.shape[-1])
+    grad_x = grad_weight = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        # dX = g W (Linear, W: out x in) or g W^T (Conv1D, W: in x out): exact
+        grad_x = rows.mm(weight.t() if transposed else weight).reshape(ctx.x_shape)
+    if ctx.needs_input_grad[1]:
+        decoded = torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, grad.dtype)
+        # dW = g^T x~ (Linear) or x~^T g (Conv1D): the only place the codes are read
+        grad_weight = decoded.t().mm(rows) if transposed else rows.t().mm(decoded)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = rows.sum(0)
+    return grad_x, grad_weight, grad_bias, None, None, None, None, None
+
+
+_compressed_linear.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# One set of codes per input tensor (eager)
+
+
+class _SharedCodes:
+    """Codes of the forward's intermediate tensors, keyed by tensor identity, dropped when the tensor is freed or
+    changed in place (its version moves on)."""
+
+    def __init__(self) -> None:
+        self._entries: dict[tuple[int, tuple], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._lock = threading.Lock()
+
+    def get(self, x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
+        if torch.compiler.is_compiling() or x.grad_fn is None:
+            return make()
+        key = (id(x), options)
+        with self._lock:
+            entry = self._entries.get(key)
+        if entry is not None and entry[0]() is x and entry[1] == x._version:
+            return entry[2]
+        codes = make()
+        entries = self._entries
+
+        def forget(_ref, key=key, entries=entries):
+            entries.pop(key, None)
+
+        with self._lock:
+            self._entries[key] = (weakref.ref(x, forget), x._version, codes)
+        return codes
+
+
+_SHARED = _SharedCodes()
+
+
+def _codes(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def make():
+        # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+        return torch.ops.fewbit.group_quantize(x.detach(), bits, group_size, stochastic, seed)
+
+    return _SHARED.get(x, (bits, group_size, stochastic, x.shape, x.dtype), make)
+
+
+def compressed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    bits: int = 8,
+    group_size: int = GROUP_SIZE,
+    rounding: str = "stochastic",
+    transposed: bool = False,
+) -> torch.Tensor:
+    """``F.linear(x, weight, bias)`` (``transposed``: Conv1D's ``x W + b``, weight in x out) that keeps x for the
+    weight gradient as ``bits``-bit group codes (module docstring). Without a weight gradient to compute (grad mode
+    off, or the weight does not require grad) it is the native call.
+
+    >>> layer = torch.nn.Linear(64, 8)
+    >>> x = torch.randn(4, 64)
+    >>> torch.equal(compressed_linear(x, layer.weight, layer.bias, bits=4), layer(x))
+    True
+    """
+    bits, group_size, rounding = check_options(bits, group_size, rounding)
+    if not (torch.is_grad_enabled() and weight.requires_grad):
+        return native_linear(x, weight, bias, transposed)
+    packed, scales = _codes(x, bits, group_size, rounding == "stochastic")
+    return torch.ops.fewbit.compressed_linear(x, weight, bias, packed, scales, bits, group_size, transposed)
