@@ -7,6 +7,8 @@ Where things are (one folder per technique, each with its module API, functional
   kernels); :mod:`.nn`, :mod:`.functional` and :mod:`.tables` (the lookup's) are the documented paths of its public
   names, and ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
 * :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
+* :mod:`.linear`: linear layers (``nn.Linear``, Hugging Face ``Conv1D``) that keep K-bit group codes of their input
+  for the weight gradient (exact forward and input gradient).
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
@@ -47,10 +49,11 @@ _LAZY = {
     **{
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
-        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms")
+        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
+    "CompressedLinear": ("linear.nn", "CompressedLinear"),
     "load_table": ("fewbit.lookup", "load_table"),
     "convert": ("fewbit.convert", "convert"),
     "calibrate": ("fewbit.calibrate", "calibrate"),

@@ -30,6 +30,7 @@ REGISTRY = (
     "fewbit_design.runtime.norms.technique",
     "fewbit_design.runtime.blpa.technique",
     "fewbit_design.runtime.fewbit.technique",
+    "fewbit_design.runtime.linear.technique",
     "fewbit_design.runtime.offload.technique",
     "fewbit_design.runtime.checkpoint.technique",
 )

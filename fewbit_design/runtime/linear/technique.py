@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from ...errors import check_integer
 from ..registry import Technique
 
 
@@ -19,7 +20,7 @@ def _apply(block: torch.nn.Module, bits: int) -> torch.nn.Module:
 
 
 def _config(settings: Mapping[str, Any]) -> int:
-    return int(settings.get("linear_bits", 8))
+    return check_integer("linear_bits", settings.get("linear_bits", 8), low=2, high=8)
 
 
 TECHNIQUE = Technique(
@@ -29,4 +30,5 @@ TECHNIQUE = Technique(
     exact=False,
     config=_config,
     apply=_apply,
+    settings={"linear_bits": 8},
 )
