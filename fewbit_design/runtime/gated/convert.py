@@ -7,7 +7,8 @@ A module is a *candidate* when it has the linears of one of :data:`~.nn.LAYOUTS`
 reason in the report:
 
 * the linears are plain ``torch.nn.Linear`` (not a quantized or adapter subclass) of matching shapes, on one dtype,
-  not on the meta device, and neither they nor the module carry hooks (the op would bypass them);
+  not on the meta device, and neither they nor the module carry hooks (the op would bypass them); the module holds no
+  parameter or buffer of its own, and its ``forward`` takes the input alone (the replacement takes nothing else);
 * the activation is one the op computes exactly (SiLU, GELU, GELU tanh, ReLU; recognised as
   ``runtime.convert`` recognises activations, so ``transformers.activations`` classes count) and not few-bit already;
 * no dropout with p > 0 sits among its children (the op has none), and no other child holds parameters (they
@@ -34,6 +35,7 @@ change. Applying :func:`convert` again changes nothing (a :class:`~.nn.GatedMLP`
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
@@ -64,6 +66,7 @@ _OP_ACTIVATIONS = {
     ("relu", "none"): "relu",
 }
 _SUPPORTED = "SiLU, GELU, GELU tanh, ReLU"
+_POSITIONAL = (inspect.Parameter.POSITIONAL_ONLY, inspect.Parameter.POSITIONAL_OR_KEYWORD)
 
 
 @dataclass(frozen=True)
@@ -126,6 +129,16 @@ def _has_hooks(module: torch.nn.Module) -> bool:
     )
 
 
+def _extra_forward_parameters(module: torch.nn.Module) -> list[str]:
+    """The parameters of ``module.forward`` beyond its one input (the replacement takes only that)."""
+    try:
+        parameters = list(inspect.signature(module.forward).parameters.values())
+    except (TypeError, ValueError):  # no signature to read: the probe decides
+        return []
+    extra = parameters[1:] if parameters and parameters[0].kind in _POSITIONAL else parameters
+    return [str(parameter) for parameter in extra]
+
+
 def _activation_of(module: torch.nn.Module) -> tuple[str, str] | str:
     """(attribute, op activation) or the reason why the module's activation cannot be taken."""
     found = [name for name in ACTIVATION_ATTRIBUTES if module._modules.get(name) is not None]
@@ -150,6 +163,12 @@ def _check_structure(module: torch.nn.Module, layout: Layout, attribute: str) ->
     """The reason why the module's structure rules the op out, or None."""
     if _has_hooks(module):
         return "it has hooks, which the replacement would not run"
+    own = [name for name, tensor in [*module._parameters.items(), *module._buffers.items()] if tensor is not None]
+    if own:
+        return f"it holds parameters or buffers of its own ({', '.join(own)}), outside the pattern"
+    extra = _extra_forward_parameters(module)
+    if extra:
+        return f"its forward takes more than the input ({', '.join(extra)}), which the replacement would not take"
     roles = [name for name in (layout.gate, layout.up, layout.down) if name is not None]
     linears = [module._modules[name] for name in roles]
     for name, linear in zip(roles, linears, strict=True):

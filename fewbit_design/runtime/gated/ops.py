@@ -256,7 +256,10 @@ def gated_mlp(
                 f"gated MLP: {name} is {tensor.dtype} but the input is {x.dtype}: give them one dtype "
                 "(model.to(dtype)) or run under torch.autocast"
             )
-    leading = x.shape[:-1]
+    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
-        y, _, _ = torch.ops.fewbit.gated_mlp(x.reshape(-1, x.shape[-1]), *weights, activation)
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
+            y, _, _ = torch.ops.fewbit.gated_mlp(rows, *weights, activation)
+        else:  # nothing to save: the same kernels without the custom op's dispatch
+            y = gated_mlp_reference(rows, *weights, activation)
     return y.reshape(*leading, y.shape[-1])

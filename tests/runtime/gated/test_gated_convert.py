@@ -193,3 +193,43 @@ def test_technique_contract():
     with memory.saved_bytes(block) as counted:
         block(x.requires_grad_() * 1)
     assert counted.by_module["0"] == 4 * (8 + 2 * 16) * 4  # x, gate, up (float32)
+
+
+class Scaled(Gated):
+    """The pattern times a learnable scale that starts at 1: the probe agrees, but the scale would be lost."""
+
+    def __init__(self):
+        super().__init__()
+        self.scale = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class WithMask(Gated):
+    """The pattern with an optional second argument: the replacement would not take it."""
+
+    def forward(self, x, mask=None):
+        y = super().forward(x)
+        return y if mask is None else y * mask
+
+
+def test_own_parameters_and_extra_forward_arguments_are_left_alone():
+    model = model_of(Scaled(), WithMask())
+    with pytest.warns(UserWarning):
+        convert(model)
+    assert [type(block) for block in model] == [Scaled, WithMask]
+    assert [item.reason for item in model.gated_report.skipped] == [
+        "it holds parameters or buffers of its own (scale), outside the pattern",
+        "its forward takes more than the input (mask=None), which the replacement would not take",
+    ]
+
+
+def test_forward_without_grad_is_the_training_forward():
+    model = convert(model_of(Gated(), Fused()))
+    x = torch.randn(5, 8)
+    with torch.no_grad():
+        inference = model(x)
+    training = model(x.requires_grad_())
+    assert training.requires_grad and not inference.requires_grad
+    torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
