@@ -14,6 +14,7 @@ Prints a table and writes a CSV.
 
     python benchmarks/gated_mlp.py                 # hidden 256, intermediate 688, batch 4 x 128 tokens
     python benchmarks/gated_mlp.py --quick         # tiny sizes, 3 repeats
+    python benchmarks/gated_mlp.py --threads 1 --clock process   # CPU seconds, steadier on a busy machine
 """
 
 from __future__ import annotations
@@ -76,7 +77,7 @@ def main(argv=None) -> None:
     parser.add_argument("--batch", type=int, default=4)
     parser.add_argument("--length", type=int, default=128)
     parser.add_argument("--quick", action="store_true", help="hidden 32, width 64, 2 x 12 tokens, 3 repeats")
-    harness.add_options(parser, out=str(harness.RESULTS / "gated_mlp.csv"), repeats=None, threads=0)
+    harness.add_options(parser, out=str(harness.RESULTS / "gated_mlp.csv"), repeats=None, threads=0, clock="wall")
     args = parser.parse_args(argv)
     if args.quick:
         args.hidden, args.width, args.batch, args.length = 32, 64, 2, 12
@@ -118,6 +119,7 @@ def main(argv=None) -> None:
         warmup=3,
         baseline="native",
         alternate=True,
+        clock=harness.CLOCKS[args.clock],
     )
     for row in rows:
         row["step_ms"] = timings[row["variant"]].median * 1e3 if row["compiled"] == "eager" else ""
