@@ -169,3 +169,18 @@ def test_errors_are_one_line():
     y = gated_mlp(x, w_gate, None, w_up, None, w_down, None, "silu")
     with pytest.raises(FewBitError, match="higher-order gradients"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
+
+
+def test_compiled_inductor_once_tiny():
+    # the one inductor run of this folder (slow on 2 cores): the op stays an opaque kernel inside inductor's graph,
+    # whose partitioner cannot recompute into it, so the compiled forward keeps x, gate and up as in eager
+    torch.manual_seed(0)
+    native = NativeGated(8, 16, "silu", bias=True)
+    ours = replacement(native)
+    compiled = torch.compile(ours, fullgraph=True)
+    x = torch.randn(6, 8)
+    y_native, g_native = gradients(native, x)
+    y_compiled, g_compiled = gradients(compiled, x)
+    for mine, theirs in zip((y_compiled, *g_compiled), (y_native, *g_native), strict=True):
+        torch.testing.assert_close(mine, theirs, **TOLERANCE[torch.float32])
+    assert saved(compiled, x.requires_grad_()) == 6 * (8 + 2 * 16) * 4
