@@ -154,6 +154,7 @@ def _gated_mlp_backward_op(
     a = _activation(gate, activation)
     h = a * up
     grad_w_down = grad.t().mm(h)
+    del h  # backward's peak: a and the gradients, not the product as well
     grad_b_down = grad.sum(0)
     grad_h = grad.mm(w_down)
     grad_up = grad_h * a
@@ -227,6 +228,21 @@ torch.library.register_autograd("fewbit::gated_mlp", _backward, setup_context=_s
 # Entry point
 
 
+def _check_shapes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor) -> None:
+    width = w_gate.shape[0] // 2 if w_up is None else w_gate.shape[0]
+    if x.dim() == 0 or x.shape[-1] != w_gate.shape[-1]:
+        raise FewBitError(
+            f"gated MLP: the input's last dimension must be the gate projection's {w_gate.shape[-1]} features, "
+            f"got shape {tuple(x.shape)}"
+        )
+    if w_up is None and w_gate.shape[0] % 2:
+        raise FewBitError(f"gated MLP: a fused gate_up weight needs an even number of rows, got {w_gate.shape[0]}")
+    if w_up is not None and w_up.shape != w_gate.shape:
+        raise FewBitError(f"gated MLP: w_up {tuple(w_up.shape)} must have w_gate's shape {tuple(w_gate.shape)}")
+    if w_down.shape[-1] != width:
+        raise FewBitError(f"gated MLP: w_down takes {w_down.shape[-1]} features but the product has {width}")
+
+
 def gated_mlp(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -256,6 +272,7 @@ def gated_mlp(
                 f"gated MLP: {name} is {tensor.dtype} but the input is {x.dtype}: give them one dtype "
                 "(model.to(dtype)) or run under torch.autocast"
             )
+    _check_shapes(x, w_gate, w_up, w_down)
     leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):

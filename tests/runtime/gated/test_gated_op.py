@@ -166,6 +166,12 @@ def test_errors_are_one_line():
         gated_mlp(x, w_gate, None, w_up, None, w_down, None, "tanh")
     with pytest.raises(FewBitError, match="w_down is torch.float64 but the input is torch.float32"):
         gated_mlp(x, w_gate, None, w_up, None, w_down.double(), None, "silu")
+    with pytest.raises(FewBitError, match="the input's last dimension must be the gate projection's 4 features, got"):
+        gated_mlp(x.t(), w_gate, None, w_up, None, w_down, None, "silu")
+    with pytest.raises(FewBitError, match="fused gate_up weight needs an even number of rows, got 7"):
+        gated_mlp(x, torch.randn(7, 4), None, None, None, w_down, None, "silu")
+    with pytest.raises(FewBitError, match="w_down takes 6 features but the product has 3"):
+        gated_mlp(x, w_gate, None, None, None, w_down, None, "silu")
     y = gated_mlp(x, w_gate, None, w_up, None, w_down, None, "silu")
     with pytest.raises(FewBitError, match="higher-order gradients"):
         torch.autograd.grad(y.sum(), x, create_graph=True)
