@@ -1,0 +1,73 @@
+"""The gated-MLP module: the linears of an existing gated MLP, run through the op of :mod:`.ops`."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from .ops import ACTIVATIONS, gated_mlp
+
+__all__ = ["GatedMLP", "Layout", "LAYOUTS"]
+
+
+class Layout(NamedTuple):
+    """Where a gated MLP keeps its linears: attribute names of the gate, up (None: fused into the gate's linear,
+    gate rows first) and down projections."""
+
+    gate: str
+    up: str | None
+    down: str
+
+
+#: the attribute layouts recognised (LLaMA / Mistral / Qwen2 / Gemma; T5 v1.1; Mixtral's experts; Phi-3 fused)
+LAYOUTS = (
+    Layout("gate_proj", "up_proj", "down_proj"),
+    Layout("wi_0", "wi_1", "wo"),
+    Layout("w1", "w3", "w2"),
+    Layout("gate_up_proj", None, "down_proj"),
+)
+
+
+class GatedMLP(torch.nn.Module):
+    """``down(act(gate(x)) * up(x))`` with the gated-MLP op (saves x, gate and up; exact gradients).
+
+    It holds the original module's children under their own names (the same ``nn.Linear`` objects, so parameter
+    names, ``state_dict`` keys and optimizer state are unchanged); ``activation`` is one of
+    :data:`~.ops.ACTIVATIONS`, ``original`` the replaced class (for reports).
+
+    >>> mlp = GatedMLP({"gate_proj": torch.nn.Linear(4, 8), "up_proj": torch.nn.Linear(4, 8),
+    ...                 "down_proj": torch.nn.Linear(8, 4)}, LAYOUTS[0], "silu")
+    >>> mlp(torch.randn(2, 3, 4)).shape
+    torch.Size([2, 3, 4])
+    """
+
+    def __init__(
+        self, children: dict[str, torch.nn.Module], layout: Layout, activation: str, *, original: str = ""
+    ) -> None:
+        super().__init__()
+        assert activation in ACTIVATIONS, activation
+        for name, child in children.items():
+            self.add_module(name, child)
+        self.layout = layout
+        self.activation = activation
+        self.original = original
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate = getattr(self, self.layout.gate)
+        up = getattr(self, self.layout.up) if self.layout.up is not None else None
+        down = getattr(self, self.layout.down)
+        return gated_mlp(
+            x,
+            gate.weight,
+            gate.bias,
+            None if up is None else up.weight,
+            None if up is None else up.bias,
+            down.weight,
+            down.bias,
+            self.activation,
+        )
+
+    def extra_repr(self) -> str:
+        fused = ", fused gate_up" if self.layout.up is None else ""
+        return f"activation={self.activation!r}{fused}"
