@@ -6,6 +6,7 @@ it when called with ``labels`` (then ``logits`` is None: no logits exist); :func
 
 from __future__ import annotations
 
+from .convert import HeadReport, convert, is_causal_lm, remove
 from .ops import default_chunk_rows, lm_loss, lm_loss_reference
 
-__all__ = ["lm_loss", "lm_loss_reference", "default_chunk_rows"]
+__all__ = ["lm_loss", "lm_loss_reference", "default_chunk_rows", "convert", "remove", "is_causal_lm", "HeadReport"]
