@@ -177,7 +177,7 @@ def _check_transform(model: torch.nn.Module) -> None:
             output = type(model).forward(
                 model, input_ids=torch.zeros(1, 1, dtype=torch.long, device=parameter.device), use_cache=False
             )
-    except Exception:  # noqa: BLE001: a model that cannot run on one token here is checked by its first call
+    except Exception:  # noqa: BLE001 (a model that cannot run on one token here is checked by its first call)
         return
     finally:
         del head.forward
