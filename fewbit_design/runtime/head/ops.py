@@ -100,6 +100,17 @@ def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> N
         )
 
 
+def _no_autocast_cache() -> None:
+    """Why the ops run their bodies with autocast off (issue 26.5, found while testing autocast).
+
+    A custom op's body runs below autograd but still under an enclosing ``torch.autocast``: its ``F.linear`` would
+    cast a float32 ``weight`` to the autocast dtype and *cache* that cast, made without autograd, in autocast's
+    weight cache. A later ``F.linear`` of the same weight in the same autocast region (a tied embedding, an oracle
+    loss) then reuses the cached copy and the weight silently gets no gradient from it. :func:`lm_loss` casts to the
+    autocast dtype itself (with autograd, as ``F.linear`` would), and the bodies run with autocast off.
+    """
+
+
 @torch.library.custom_op("fewbit::lm_loss", mutates_args=())
 def _lm_loss_op(
     hidden: torch.Tensor,
@@ -112,6 +123,11 @@ def _lm_loss_op(
     logit_scale: float,
     softcap: float | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False):  # see _no_autocast_cache
+        return _lm_loss_forward(hidden, weight, bias, labels, chunk_rows, ignore_index, reduction, logit_scale, softcap)
+
+
+def _lm_loss_forward(hidden, weight, bias, labels, chunk_rows, ignore_index, reduction, logit_scale, softcap):
     rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
     _check_labels(labels, vocab_size, ignore_index)
@@ -155,6 +171,16 @@ def _lm_loss_backward_op(
     softcap: float | None,
     needs_grad: list[bool],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    with torch.autocast(hidden.device.type, enabled=False):  # see _no_autocast_cache
+        return _lm_loss_backward(
+            grad_loss, hidden, weight, bias, labels, lse, chunk_rows, ignore_index, reduction, logit_scale, softcap,
+            needs_grad,
+        )  # fmt: skip
+
+
+def _lm_loss_backward(
+    grad_loss, hidden, weight, bias, labels, lse, chunk_rows, ignore_index, reduction, logit_scale, softcap, needs_grad
+):
     needs_hidden, needs_weight, needs_bias = needs_grad
     rows, hidden_size = hidden.shape
     vocab_size = weight.shape[0]
@@ -288,9 +314,17 @@ def lm_loss(
         chunk_rows: rows per chunk (default :func:`default_chunk_rows`).
         reduction: "mean" over the counted rows (NaN when there is none, as ``F.cross_entropy``) or "sum".
         logit_scale: factor on the logits; softcap: ``softcap * tanh(logits / softcap)`` after it, or None.
+
+    Under ``torch.autocast`` the head's matmul runs in the autocast dtype, as the native ``F.linear`` would.
     """
     if not isinstance(hidden, torch.Tensor) or not isinstance(weight, torch.Tensor):
         raise FewBitError("lm_loss takes tensors: hidden (..., H) and weight (V, H)")
+    device_type = hidden.device.type
+    if torch.amp.is_autocast_available(device_type) and torch.is_autocast_enabled(device_type):
+        # the head's linear in the autocast dtype, as F.linear runs there (custom ops are not autocast themselves)
+        cast = torch.get_autocast_dtype(device_type)
+        hidden, weight = hidden.to(cast), weight.to(cast)
+        bias = bias.to(cast) if bias is not None else None
     if hidden.dtype not in SUPPORTED_DTYPES:
         raise FewBitError(f"lm_loss takes float32, float16, bfloat16 or float64 hidden states, got {hidden.dtype}")
     if hidden.dim() < 1 or weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:

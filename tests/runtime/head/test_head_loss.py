@@ -209,3 +209,19 @@ def test_opcheck(dtype, with_bias, softcap):
     torch.library.opcheck(
         torch.ops.fewbit.lm_loss.default, (hidden, weight, bias, labels, 4, -100, "mean", 1.0, softcap)
     )
+
+
+def test_autocast_runs_the_head_in_the_autocast_dtype_like_native():
+    """Under CPU autocast F.linear multiplies in bfloat16: the chunked head does too (the same bfloat16 matmul on a
+    chunk of rows and upcast logits: float32 tolerance of the chunked sums), and does not leave a cast of the weight
+    made without autograd in autocast's cache, from which the later F.linear of the same weight (the oracle here,
+    a tied embedding in a model) would get no weight gradient (regression: 'differentiated Tensor ... not used')."""
+    hidden, weight, bias, labels = _inputs(21, 16, 53, torch.float32)
+    hidden = (hidden.detach() * 3).requires_grad_()  # logits of order 1-10: their bfloat16 rounding shows
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = lm_loss(hidden, weight, labels, bias=bias, chunk_rows=4)
+        expected = F.cross_entropy(F.linear(hidden, weight, bias).float(), labels)
+    _assert_close(loss, expected, torch.float32)
+    for got, want in zip(_grads(loss, (hidden, weight, bias)), _grads(expected, (hidden, weight, bias)), strict=True):
+        assert got.dtype == torch.float32  # autocast's casts are differentiable: gradients in the parameters' dtype
+        _assert_close(got, want, torch.bfloat16)
