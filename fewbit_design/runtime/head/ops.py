@@ -191,7 +191,7 @@ def _lm_loss_backward(
         row_grad = row_grad / counted_rows.sum()
     # ignored rows get 0 (a select, not a product: their softmax times 0 would still be 0, and the mean over no
     # counted row, 1 / 0, never reaches a row)
-    row_scale = torch.where(counted_rows, row_grad, torch.zeros((), dtype=compute, device=hidden.device))
+    row_scale = torch.where(counted_rows, row_grad * logit_scale, torch.zeros((), dtype=compute, device=hidden.device))
     grad_hidden = torch.empty_like(hidden) if needs_hidden else hidden.new_empty(0)
     grad_weight = torch.zeros(weight.shape, dtype=compute, device=weight.device) if needs_weight else None
     grad_bias = torch.zeros(vocab_size, dtype=compute, device=weight.device) if needs_bias else None
@@ -204,24 +204,31 @@ def _lm_loss_backward(
         capped = (logits / softcap).square_().neg_().add_(1) if softcap is not None else None
         chunk_labels = labels[start:stop]
         counted = counted_rows[start:stop]
-        # softmax - onehot (onehot only on counted rows), times the row's share of the loss's gradient
+        # softmax - onehot (onehot only on counted rows), times the derivative of the cap
         grad_logits = logits.sub_(lse[start:stop].unsqueeze(1)).exp_()
         grad_logits.scatter_add_(
             1, torch.where(counted, chunk_labels, 0).unsqueeze(1), -counted.to(compute).unsqueeze(1)
         )
-        grad_logits.mul_(row_scale[start:stop].unsqueeze(1))
         if capped is not None:
             grad_logits.mul_(capped)
             del capped
-        if logit_scale != 1.0:
-            grad_logits.mul_(logit_scale)
+        # times each row's share of the loss's gradient (and the logit scale): in float32 / float64 folded into the
+        # small operands (chunk rows, grad_hidden rows) instead of a pass over the C x V chunk; 16-bit input scales
+        # the chunk first, so that grad_hidden is rounded to its dtype once, as native autograd's is
+        scale = row_scale[start:stop].unsqueeze(1)
+        if compute != hidden.dtype:
+            grad_logits.mul_(scale)
+            scale = None
         if grad_bias is not None:
-            grad_bias += grad_logits.sum(0)
+            grad_bias += grad_logits.sum(0) if scale is None else torch.mv(grad_logits.T, scale.squeeze(1))
         if grad_weight is not None:
-            grad_weight.addmm_(grad_logits.T, chunk.to(compute))
+            grad_weight.addmm_(grad_logits.T, chunk.to(compute) if scale is None else chunk * scale)
         if needs_hidden:
             # in the input dtype, as native autograd's matmul backward does (one rounding of each row's gradient)
-            torch.mm(grad_logits.to(hidden.dtype), weight, out=grad_hidden[start:stop])
+            rows_out = grad_hidden[start:stop]
+            torch.mm(grad_logits.to(hidden.dtype), weight, out=rows_out)
+            if scale is not None:
+                rows_out.mul_(scale)
     grad_weight = grad_weight.to(weight.dtype) if grad_weight is not None else weight.new_empty(0)
     grad_bias = grad_bias.to(bias.dtype) if grad_bias is not None else weight.new_empty(0)
     return grad_hidden, grad_weight, grad_bias
