@@ -9,6 +9,8 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
 * :mod:`.linear`: linear layers (``nn.Linear``, Hugging Face ``Conv1D``) that keep K-bit group codes of their input
   for the weight gradient (exact forward and input gradient).
+* :mod:`.gated`: the gated-MLP op (SwiGLU, GeGLU, fused gate_up): keeps x, gate and up, recomputes the rest.
+* :mod:`.head`: the chunked LM head + cross-entropy (:func:`~.head.ops.lm_loss`): the logits never exist whole.
 * :mod:`.blpa`: BLPA units, the paper's network, fusing an existing model, quantization kernels.
 * :mod:`.reversible`: couplings, invertible layers, architectures, reconstruction SNR.
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
@@ -49,11 +51,13 @@ _LAZY = {
     **{
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
-        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear")
+        + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
     "CompressedLinear": ("linear.nn", "CompressedLinear"),
+    "GatedMLP": ("gated.nn", "GatedMLP"),
+    "lm_loss": ("head.ops", "lm_loss"),
     "load_table": ("fewbit.lookup", "load_table"),
     "convert": ("fewbit.convert", "convert"),
     "calibrate": ("fewbit.calibrate", "calibrate"),

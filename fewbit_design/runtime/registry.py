@@ -28,6 +28,8 @@ __all__ = ["Technique", "REGISTRY", "techniques", "technique", "names", "setting
 #: where the techniques are, in application order (module path of each ``technique.py``; its ``TECHNIQUE``)
 REGISTRY = (
     "fewbit_design.runtime.norms.technique",
+    "fewbit_design.runtime.gated.technique",
+    "fewbit_design.runtime.head.technique",
     "fewbit_design.runtime.blpa.technique",
     "fewbit_design.runtime.fewbit.technique",
     "fewbit_design.runtime.linear.technique",

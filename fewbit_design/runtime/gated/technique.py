@@ -36,4 +36,5 @@ TECHNIQUE = Technique(
     exact=True,
     config=_config,
     apply=_apply,
+    settings={"gated_mode": "exact"},
 )

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from ...errors import check_integer
 from ..registry import Technique
 
 
@@ -27,7 +28,7 @@ def _changes(block: torch.nn.Module, chunk_rows: int | None) -> bool:
 
 def _config(settings: Mapping[str, Any]) -> int | None:
     chunk_rows = settings.get("head_chunk_rows")
-    return None if chunk_rows is None else int(chunk_rows)
+    return None if chunk_rows is None else check_integer("head_chunk_rows", chunk_rows, low=1)
 
 
 TECHNIQUE = Technique(
@@ -38,4 +39,5 @@ TECHNIQUE = Technique(
     config=_config,
     apply=_apply,
     changes=_changes,
+    settings={"head_chunk_rows": None},
 )
