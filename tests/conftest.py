@@ -9,11 +9,28 @@ scripts/gpu_suite.sh). Tests marked ``cuda`` are skipped where ``torch.cuda.is_a
 import functools
 import json
 import os
+import signal
+import threading
 
 import numpy as np
 import pytest
 
 os.environ.setdefault("TRITON_INTERPRET", "1")
+
+pytest_plugins = ["pytester"]  # tests of this file itself (test_isolation.py)
+
+
+@pytest.fixture(autouse=True)
+def _restore_sigint():
+    """Every test leaves SIGINT's handler as it found it: ``cli.main`` in-process on an interrupted command ignores
+    SIGINT (for the exit of a real process), which would take KeyboardInterrupt from later tests (test_isolation.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGINT)
+    yield
+    if handler is not None:  # (None: set outside Python, nothing to restore it with)
+        signal.signal(signal.SIGINT, handler)
 
 
 def pytest_collection_modifyitems(config, items):
@@ -115,3 +132,14 @@ def one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def no_tf32():
+    """float32 matrix products and convolutions in full float32 (cuDNN convolutions use TF32 by default)."""
+    import torch
+
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = False
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved

@@ -13,3 +13,12 @@ DEVICES = [pytest.param("cpu", id="cpu"), CUDA]
 def on_cuda(*values, id=None):
     """A ``pytest.param`` of ``values`` for a CUDA-only case (marked ``cuda``)."""
     return pytest.param(*values, marks=pytest.mark.cuda, id=id)
+
+
+def norm_error(got, want) -> float:
+    """||got - want|| / ||want|| over all the tensors together (float64, on CPU): a result on CUDA against CPU."""
+    import torch
+
+    got_all = torch.cat([g.detach().double().cpu().flatten() for g in got])
+    want_all = torch.cat([w.detach().double().cpu().flatten() for w in want])
+    return float((got_all - want_all).norm() / want_all.norm())

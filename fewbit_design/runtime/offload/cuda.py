@@ -13,7 +13,7 @@
   target (graph freed, or an exception in the region) returns every buffer it lent.
 
 Needs a GPU; its tests are skipped without one. The decisions it carries out are tested on CPU in
-``tests/test_offload_schedule.py``.
+``tests/runtime/offload/test_offload_schedule.py``.
 """
 
 from __future__ import annotations

@@ -24,7 +24,7 @@ from fewbit_design.design.weights import make_weight
 from fewbit_design.errors import FewBitError
 from fewbit_design.tables import TABLES_DIR
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 SCHEMA_PATH = ROOT / "docs" / "table-format.schema.json"
 DOC_PATH = ROOT / "docs" / "table-format.md"
 

@@ -130,7 +130,7 @@ def expected_pieces(name, points):
 
 def torch_oracle(name, x, grad):
     """torch's gradient, with the runtime's non-finite rule at NaN input (NaN: torch's own there depends on the
-    element's position in the tensor, see tests/test_nonfinite.py)."""
+    element's position in the tensor, see tests/runtime/fewbit/test_nonfinite.py)."""
     return torch.where(torch.isnan(x), torch.full_like(grad, math.nan), torch_grad(name, x, grad))
 
 

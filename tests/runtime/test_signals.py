@@ -215,7 +215,7 @@ os._exit(0)  # (what gc.freeze kept alive is not torn down)
 )
 def test_sigint_at_random_moments_stops_training_and_leaves_nothing(tmp_path):
     rng = random.Random(os.urandom(8))
-    root = str(Path(__file__).resolve().parents[1])
+    root = str(Path(__file__).resolve().parents[2])
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")])))
     stderr = tmp_path / "stderr.txt"  # (a file, not a pipe: tracebacks of many children never block them)
     with open(stderr, "w") as sink:

@@ -1,8 +1,8 @@
 """Converted models train under DistributedDataParallel and FSDP2: ``torchrun --nproc-per-node 2`` on CPU (gloo).
 
-One launch of ``tests/distributed/train_step.py`` runs every (technique, wrapper) case and writes a JSON record per
-case; each test here checks one record: the gradients after one step equal the single-process model's on the
-concatenated batch (float64; the tolerance and why are in the script's docstring).
+One launch of ``tests/runtime/distributed/train_step.py`` runs every (technique, wrapper) case and writes a JSON
+record per case; each test here checks one record: the gradients after one step equal the single-process model's on
+the concatenated batch (float64; the tolerance and why are in the script's docstring).
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def results(tmp_path_factory) -> dict:
     if not Path(torchrun).exists():
         pytest.skip("torchrun is not installed beside this Python")
     out = tmp_path_factory.mktemp("distributed") / "results.json"
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     command = [
         torchrun,
         "--nproc-per-node",

@@ -1,7 +1,8 @@
 """One training step of converted models under DistributedDataParallel and FSDP2, checked against one process.
 
-Run by ``tests/test_distributed.py`` as ``torchrun --nproc-per-node 2 tests/distributed/train_step.py OUT.json``
-(CPU, gloo). Every rank builds the same model (same seed), converts it with one technique, wraps it
+Run by ``tests/runtime/test_distributed.py`` as
+``torchrun --nproc-per-node 2 tests/runtime/distributed/train_step.py OUT.json`` (CPU, gloo). Every rank builds the
+same model (same seed), converts it with one technique, wraps it
 (``ddp``: ``DistributedDataParallel``; ``fsdp2``: ``fully_shard`` on every child with parameters, then the root),
 runs forward and backward on its half of a batch of 8 and gathers the full gradients. Every rank also runs the
 same converted model unwrapped in one process and compares; rank 0 writes one JSON record per case.
