@@ -45,3 +45,41 @@ def test_activation_registry_is_built_from_the_catalogue():
     assert [entry["name"] for entry in catalogue.definitions()] == activations.names()
     expected = catalogue.SELU_SCALE * catalogue.SELU_ALPHA * math.exp(-1.0)  # selu'(-1), from the catalogue's constants
     assert activations.bind("selu").df([-1.0]).item() == pytest.approx(expected, rel=1e-15)
+
+
+INIT_CODE_LIMIT = 40  # issue 21: no __init__.py over 40 lines except pure re-export lists
+
+
+def _code_lines(path: Path) -> tuple[int, list[str]]:
+    """Lines of ``path`` that are code other than its docstring, imports and re-export lists, and the top-level
+    definitions it holds (an ``__init__.py`` should hold none)."""
+    import ast
+
+    tree = ast.parse(path.read_text())
+    counted, definitions = 0, []
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            definitions.append(node.name)
+        if isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant):  # docstring
+            continue
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        targets = [target.id for target in getattr(node, "targets", []) if isinstance(target, ast.Name)]
+        if targets == ["__all__"]:  # the re-export list
+            continue
+        counted += node.end_lineno - node.lineno + 1
+    return counted, definitions
+
+
+def test_package_init_files_only_re_export():
+    inits = sorted(PACKAGE.rglob("__init__.py"))
+    assert len(inits) > 10  # the walk found the packages
+    measured = {str(path.relative_to(PACKAGE.parent)): _code_lines(path) for path in inits}
+    assert {path: lines for path, (lines, _) in measured.items() if lines > INIT_CODE_LIMIT} == {}
+    assert {path: names for path, (_, names) in measured.items() if names} == {}
+
+
+def test_the_init_check_sees_logic(tmp_path):
+    init = tmp_path / "__init__.py"
+    init.write_text('"""doc"""\nfrom .a import b\n__all__ = ["b"]\n\n\ndef helper():\n    return 1\n')
+    assert _code_lines(init) == (2, ["helper"])
