@@ -16,6 +16,8 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.checkpoint`: Chen et al.'s checkpoint planning (profile, plan, apply).
 * :mod:`.offload`: saved-tensor offloading to disk (CPU) or pinned host memory (CUDA).
 * :mod:`.planner`: :func:`plan_memory`, which combines the techniques under a memory budget.
+* :mod:`.hf`: the Hugging Face ``Trainer`` callback (convert and plan at train start) and ``restore`` of a converted
+  model after ``from_pretrained`` (not a technique; transformers loads only when the callback is reached).
 * :mod:`.registry`: the technique contract (:class:`~.registry.Technique`: seam, exactness, config, ``apply``, cost
   model) and the list of techniques the planner combines; each technique folder's ``technique.py`` fills it in.
 * :mod:`.memory`: the instrument behind every memory claim (bytes saved for backward, peak of live bytes);
@@ -52,6 +54,7 @@ _LAZY = {
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
+        + ("hf",)
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),

@@ -185,6 +185,20 @@ class MemoryPlan:
         already. A plan is applied once per model: applying a
         plan to a model that a plan was applied to (the same one twice, or another one) raises
         :class:`FewBitError`; build a fresh model for each ``apply``."""
+        container, keys, blocks = self.check_model(model)
+        check_choices(keys, blocks, self.choices, self.settings)  # before any change
+        for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
+            blocks[index] = apply_option(container, key, choice, self.settings)
+        handles = apply_regions(model, blocks, self.choices, self.settings)
+        if "offload" in handles:
+            model.fewbit_offload = handles["offload"]  # keeps .stats reachable; handle.remove() undoes the offloading
+        model.fewbit_memory_plan = self
+        return model
+
+    def check_model(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[str], list[torch.nn.Module]]:
+        """The checks of :meth:`apply` that need no technique (the plan itself, the model's architecture against
+        the plan's chain and fingerprint, no plan applied yet), without changing anything; returns the chain, its
+        keys and its blocks. Raises :class:`FewBitError` naming what does not match."""
         self.validate()
         if not isinstance(model, torch.nn.Module):
             raise FewBitError(f"apply takes a torch.nn.Module, got {type(model).__name__}")
@@ -204,14 +218,7 @@ class MemoryPlan:
                 "a memory plan was applied to this model already (apply changes the model in place); apply the plan "
                 "to a freshly built model"
             )
-        check_choices(expected, blocks, self.choices, self.settings)  # before any change
-        for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
-            blocks[index] = apply_option(container, key, choice, self.settings)
-        handles = apply_regions(model, blocks, self.choices, self.settings)
-        if "offload" in handles:
-            model.fewbit_offload = handles["offload"]  # keeps .stats reachable; handle.remove() undoes the offloading
-        model.fewbit_memory_plan = self
-        return model
+        return container, keys, blocks
 
     # --- measuring -------------------------------------------------------------------------------------------
     def measure(
