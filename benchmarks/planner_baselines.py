@@ -204,7 +204,7 @@ def candidates(model_name: str, shape, dtype, args, example: torch.Tensor) -> li
         if plan.choices in seen:
             continue
         seen.add(plan.choices)
-        label = f"plan {divisor}" if divisor == "min" else f"plan /{divisor}"
+        label = f"plan {divisor}" if divisor == "min" else f"plan /{divisor:g}"
         model = plan.apply(fresh())
         rows.append(Candidate(label, "plan", model, _loss(model), plan=plan, budget=plan.budget_bytes / MIB))
         for backend, suffix in backends:
@@ -443,15 +443,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--models", default="llama,gpt2", help="comma-separated, of llama and gpt2 (default both)")
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="parameters and compute")
     parser.add_argument("--approximate", default="if-needed", choices=("if-needed", "allowed"),
-                        help="the planner's rule for few-bit/BLPA/compressed linear inputs (default if-needed)")  # fmt: skip
+                        help="the planner's rule for few-bit, BLPA, compressed linear inputs")  # fmt: skip
     parser.add_argument("--inductor", action="store_true", help="also time the compiled rows with inductor (no peak)")
     parser.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 2; --quick 1)")
     parser.add_argument("--profile-repeats", type=int, default=None, help="planner's timed runs (default 5; quick 1)")
     parser.add_argument("--offload-min-bytes", type=int, default=1 << 16, help="offload's smallest saved tensor")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a row that fails")
     harness.add_options(parser, out=None, figure=None, repeats=None, threads=1)
+    parser.add_argument("--compile-budgets", default=None, help="activation_memory_budget values (comma-separated)")
+    parser.add_argument("--plan-divisors", default=None, help="plan budgets: activation bytes / k, or min (commas)")
     args = parser.parse_args(argv)
     args.mode = "quick" if args.quick else "full"
+    if args.compile_budgets:
+        COMPILE_BUDGETS[args.mode] = tuple(float(b) for b in args.compile_budgets.split(","))
+    if args.plan_divisors:
+        PLAN_DIVISORS[args.mode] = tuple(d if d == "min" else float(d) for d in args.plan_divisors.split(","))
     args.repeats = args.repeats or (2 if args.quick else 10)
     args.warmup = args.warmup if args.warmup is not None else (1 if args.quick else 2)
     args.profile_repeats = args.profile_repeats or (1 if args.quick else 5)
@@ -472,13 +478,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for model_name in (m.strip() for m in args.models.split(",")):
         if model_name not in ("llama", "gpt2"):
             parser.error(f"--models: unknown model {model_name!r} (llama, gpt2)")
-        rows += run_model(model_name, args)
-    harness.write_csv(args.out, rows, columns=COLUMNS, float_format=".4g", extrasaction="ignore")
-    figure(rows, args.figure, header)
-    print(f"wrote {args.out} and {args.figure}")
-    print("done-when checks (issue 26):")
-    for model_name in dict.fromkeys(r["model"] for r in rows):
-        for line in done_when([r for r in rows if r["model"] == model_name]):
+        mine = run_model(model_name, args)
+        rows += mine
+        # written after each model: a long run stopped early keeps the models it finished
+        harness.write_csv(args.out, rows, columns=COLUMNS, float_format=".4g", extrasaction="ignore")
+        figure(rows, args.figure, header)
+        print(f"wrote {args.out} and {args.figure}")
+        print(f"done-when checks (issue 26), {model_name}:")
+        for line in done_when(mine):
             print("  " + line)
     return rows
 
