@@ -22,6 +22,11 @@ measured in this run; on a shared machine they are noisy, so ratios within ~10% 
     python benchmarks/planner.py --steps 60 --models gpt2
     python benchmarks/planner.py --device cuda --models gpt2 --gpt2-shape gpt2-small --tolerance 0.05  # issue 23.5
     python benchmarks/planner.py --tiny          # a dry run (tiny GPT-2, one step; writes to the temp folder)
+    python benchmarks/planner.py --baselines [--quick]  # against the baselines a user would reach for (below)
+
+``--baselines`` runs benchmarks/planner_baselines.py instead (its options follow): a 12-layer LLaMA and GPT-2 whose
+memory is activations, the planner's sweep (eager and compiled) against HF ``gradient_checkpointing_enable()``,
+``torch.compile`` with ``activation_memory_budget`` 1.0..0.1, ``save_on_cpu`` and each technique alone, same run.
 
 On CUDA each row also has ``cuda_peak_mib``: ``torch.cuda.max_memory_allocated`` over the measured step, above its
 start, plus the parameters, buffers and inputs (what ``memory.peak`` counts as alive at entry).
@@ -336,6 +341,13 @@ def figure(rows: list[dict], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if "--baselines" in argv:  # issue 26.7: against HF checkpointing, torch.compile, save_on_cpu (its own options)
+        import planner_baselines
+
+        argv.remove("--baselines")
+        planner_baselines.main(argv)
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=None, help="comma-separated, of gpt2 and cnn (default both; --tiny: gpt2)")
     parser.add_argument("--steps", type=int, default=10, help="training steps per configuration")

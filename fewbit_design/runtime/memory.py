@@ -266,6 +266,14 @@ class _StorageRef(weakref.ref):
 class _PeakMode(TorchDispatchMode):
     """Counts the new storages that operators return, and forgets them when they are freed."""
 
+    @classmethod
+    def ignore_compile_internals(cls) -> bool:
+        """True: torch.compile still compiles (and runs the compiled code) under this mode, which is off while
+        compiling and on while the compiled code runs, so the operators it runs are the ones counted. (False, the
+        default, makes dynamo skip every frame under the mode: a compiled model would run eagerly, and its peak
+        would silently be the eager model's.)"""
+        return True
+
     def __init__(self, result: Peak) -> None:
         super().__init__()
         self.result = result

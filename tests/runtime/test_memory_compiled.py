@@ -49,3 +49,29 @@ def test_compiled_mlp_counts_between_what_backward_needs_and_eager():
     _saved(mlp, compiled, x)
     counted = _saved(mlp, compiled, x)
     assert 32 * 64 * 4 <= counted <= eager
+
+
+def test_peak_sees_the_compiled_code_run_not_an_eager_fallback():
+    """Under ``memory.peak`` (a TorchDispatchMode) dynamo used to skip every frame and run the model eagerly, so the
+    peak of a compiled model was silently the eager model's. The compiled code must run (the counting backend is
+    called) and its operators be counted: at least the GELU's input and the second linear's input (8 x 64 float32
+    each, hand count), which the backward pass needs, are alive at once."""
+    runs = []
+
+    def counting_backend(graph_module, example_inputs):
+        def run(*args):
+            runs.append(1)
+            return graph_module(*args)
+
+        return run
+
+    torch.manual_seed(0)
+    mlp = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 16))
+    x = torch.randn(8, 16)
+    compiled = torch.compile(mlp, backend=counting_backend)
+    compiled(x).sum().backward()  # compiles outside the measured region
+    runs.clear()
+    with memory.peak(mlp, x) as measured:
+        compiled(x).sum().backward()
+    assert runs, "the compiled graph did not run under memory.peak"
+    assert measured.peak_bytes >= 2 * 8 * 64 * 4
