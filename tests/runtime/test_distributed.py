@@ -21,12 +21,6 @@ CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan")
 WRAPPERS = ("ddp", "fsdp2")
 RELATIVE, ABSOLUTE = 1e-10, 1e-12
 
-# Known failures, skipped with the exact error they raise (any other outcome fails the test).
-KNOWN = {
-    "blpa-fsdp2": "RuntimeError: Trying to resize storage that is not resizable",
-    "offload-fsdp2": "RuntimeError: Attempted to access the data pointer on an invalid python storage.",
-}
-
 
 @pytest.fixture(scope="module")
 def results(tmp_path_factory) -> dict:
@@ -60,8 +54,6 @@ def test_one_step_matches_single_process(results, case, wrapper):
     key = f"{case}-{wrapper}"
     record = results["cases"][key]
     if record["status"] != "ok":
-        if KNOWN.get(key) == record["message"]:
-            pytest.skip(f"{key}: {record['message']} (known; see the README, Memory planner, Distributed training)")
         raise AssertionError(f"{key}: {record['message']}\n{record.get('traceback', '')}")
     assert record["errors"], f"{key}: no gradients compared"
     for name, error in record["errors"].items():
