@@ -91,3 +91,56 @@ def test_curves_lines_are_distinguishable_and_the_legend_is_outside_the_data(cap
     box = legend.get_window_extent()
     right = max(axes.get_window_extent().x1 for axes in figure.axes)
     assert box.x0 >= right, "the legend sits to the right of every panel"
+
+
+FACTORY = """
+import torch
+
+def mlp():
+    torch.manual_seed(0)
+    nn = torch.nn
+    return nn.Sequential(*[nn.Sequential(nn.Linear(16, 64), nn.GELU(), nn.Linear(64, 16)) for _ in range(4)])
+"""
+
+
+def test_event_edges_put_unmarked_events_evenly_between_marks():
+    from fewbit_design.cli.memory import event_edges
+
+    assert event_edges(["a", "b", "c"], {"a": 3, "b": 9, "c": 10}, 12) == [0.0, 3.0, 9.0, 12.0]
+    assert event_edges(["a", "b", "c", "d"], {"a": 2, "c": 10}, 12) == [0.0, 2.0, 6.0, 10.0, 12.0]
+    assert event_edges(["a", "b"], {}, 8) == [0.0, 4.0, 8.0]  # no marks: the events share the step evenly
+
+
+def test_memory_timeline_draws_predicted_and_measured_on_one_axis_with_both_peaks(capsys, tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    from fewbit_design.runtime.planner import load_plan
+
+    name = f"figure_models_{tmp_path.name.replace('-', '_')}"
+    (tmp_path / f"{name}.py").write_text(FACTORY)
+    monkeypatch.chdir(tmp_path)
+    closed = []
+    monkeypatch.setattr(plt, "close", closed.append)  # keeps the figure that plot_plan draws
+    plan_path = tmp_path / "plan.json"
+    args = ["memory", f"{name}:mlp", "--input-shape", "32,16", "--budget", "min", "--measure", "--allow", "checkpoint"]
+    run(capsys, *args, "--plot", str(tmp_path / "memory.png"), "--save", str(plan_path))
+    (figure,) = closed
+    figure.canvas.draw()
+    timeline = next(axes for axes in figure.axes if axes.get_title() == "peak-memory timeline")
+    assert timeline.get_xlabel().startswith("operators of the step")
+    measured = load_plan(plan_path).measured
+    (predicted,) = [patch for patch in timeline.patches if patch.get_label() == "predicted"]
+    (measured_line,) = [line for line in timeline.get_lines() if line.get_label() == "measured"]
+    # one x axis: the predicted events span exactly the measured operators, and each block's forward ends where
+    # the measured step's does
+    edges = predicted.get_data().edges
+    assert edges[0] == 0 and edges[-1] == len(measured["timeline"]) == len(measured_line.get_xdata())
+    assert set(measured["marks"].values()) <= set(edges)
+    # both peaks are marked, at their values
+    labels = [line.get_label() for line in timeline.get_lines()]
+    (predicted_peak,) = [line for line in timeline.get_lines() if line.get_label().startswith("predicted peak")]
+    (measured_peak,) = [line for line in timeline.get_lines() if line.get_label().startswith("measured peak")]
+    assert measured_peak.get_ydata()[0] == max(measured_line.get_ydata()), labels
+    assert predicted_peak.get_ydata()[0] == max(predicted.get_data().values)
+    # the legend sits outside the data, to the right of the panel
+    assert timeline.get_legend().get_window_extent().x0 >= timeline.get_window_extent().x1
