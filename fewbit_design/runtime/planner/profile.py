@@ -150,8 +150,13 @@ class StepMarks:
     def _post(self, index: int):
         def hook(module, args, output):
             label = f"forward {self.names[index]}"
-            hidden = first_tensor(output)
-            if index == self.last and label not in self.marks and hidden is not None and hidden.requires_grad:
+            hidden = output[0] if isinstance(output, tuple | list) and output else output
+            if (
+                index == self.last
+                and label not in self.marks
+                and isinstance(hidden, torch.Tensor)
+                and hidden.requires_grad
+            ):
                 hidden.register_hook(self._on_grad("loss and modules after the chain"))
             self.mark(label)
 
