@@ -35,6 +35,36 @@ def save_figure(figure: Any, path: str | os.PathLike, *, force: bool = False) ->
     return write_bytes_atomic(path, buffer.getvalue(), force=force)
 
 
+#: how the weight is drawn: a density curve on its own (right-hand) y axis, labelled, never a band at an arbitrary
+#: height
+WEIGHT_STYLE = {"color": "tab:gray", "linestyle": "--", "linewidth": 1.3}
+WEIGHT_AXIS_LABEL = "weight w(x) (density)"
+#: the line styles of :func:`plot_curves` (with the markers and colours, no two activations look alike)
+LINESTYLES = ("-", "--", "-.", ":")
+MARKERS = "os^vD<>ph*"
+
+
+def _weight_axis(axes: Any, x: np.ndarray, density: np.ndarray, label: str) -> Any:
+    """The weight as a density curve on a secondary y axis of ``axes`` (ticks and label on the right, in the curve's
+    colour), drawn behind the data; returns that axis."""
+    weight_axes = axes.twinx()
+    weight_axes.plot(x, density, label=label, **WEIGHT_STYLE)
+    weight_axes.fill_between(x, 0.0, density, color=WEIGHT_STYLE["color"], alpha=0.08)
+    weight_axes.set_ylim(0.0, max(float(np.max(density)) * 1.15, 1e-12))
+    weight_axes.set_ylabel(WEIGHT_AXIS_LABEL, color=WEIGHT_STYLE["color"])
+    weight_axes.tick_params(axis="y", colors=WEIGHT_STYLE["color"])
+    axes.set_zorder(weight_axes.get_zorder() + 1)
+    axes.patch.set_visible(False)
+    return weight_axes
+
+
+def _legend(axes: Any, weight_axes: Any, **options: Any) -> Any:
+    """One legend for the data and the weight (the two axes of a panel)."""
+    handles, labels = axes.get_legend_handles_labels()
+    more_handles, more_labels = weight_axes.get_legend_handles_labels()
+    return axes.legend(handles + more_handles, labels + more_labels, **options)
+
+
 def plot_table(
     table: Table, bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
 ) -> Path:
@@ -60,19 +90,11 @@ def plot_table(
     axes.set_xlabel("x (pre-activation)")
     axes.set_ylabel("derivative")
     axes.set_xlim(low, high)
-    weight_axes = axes.twinx()
-    w = weight(x)
-    weight_axes.fill_between(x, 0.0, w, color="tab:gray", alpha=0.18, label=f"weight w(x), {table.weight.get('kind')}")
-    weight_axes.set_ylabel("weight w(x)")
-    weight_axes.set_ylim(0.0, max(float(np.max(w)) * 1.15, 1e-12))
-    handles, labels = axes.get_legend_handles_labels()
-    more_handles, more_labels = weight_axes.get_legend_handles_labels()
-    axes.legend(handles + more_handles, labels + more_labels, loc="best", fontsize=8)
+    weight_axes = _weight_axis(axes, x, weight(x), f"weight w(x), {table.weight.get('kind')}")
+    _legend(axes, weight_axes, loc="upper left", fontsize=8)
     snr = "" if table.snr_db is None else f", SNR {table.snr_db:.1f} dB"
     symmetric = ", symmetric" if table.symmetric else ""
     axes.set_title(f"{table.activation}: {table.bits}-bit {table.mode}{symmetric}, error L = {table.error:.4g}{snr}")
-    axes.set_zorder(weight_axes.get_zorder() + 1)
-    axes.patch.set_visible(False)
     return save_figure(figure, path, force=force)
 
 
@@ -102,8 +124,9 @@ def _weight_label(weight: Any) -> str:
 def plot_bits_grid(
     tables: list[Table], bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
 ) -> Path:
-    """One panel per table (bit width): f'(x), the step function q(x) and the weight shaded; the error in each
-    panel's title (like the paper's Figure 8 grid). Written atomically to ``path``."""
+    """One panel per table (bit width): f'(x), the step function q(x) and the weight as a density curve on the
+    panel's right-hand axis; the error in each panel's title (like the paper's Figure 8 grid). Written atomically
+    to ``path``."""
     count = len(tables)
     columns = 2 if count in (2, 4) else min(count, 4)
     rows = -(-count // columns)
@@ -113,13 +136,7 @@ def plot_bits_grid(
         axes = figure.add_subplot(rows, columns, index + 1)
         inside = table.boundaries[(table.boundaries > low) & (table.boundaries < high)]
         x = np.unique(np.concatenate([np.linspace(low, high, 2001), inside]))
-        shade = axes.twinx()
-        density = weight(x)
-        shade.fill_between(x, 0.0, density, color="tab:gray", alpha=0.18, label="weight w(x)")
-        shade.set_ylim(0.0, max(float(np.max(density)) * 1.15, 1e-12))
-        shade.set_yticks([])
-        axes.set_zorder(shade.get_zorder() + 1)
-        axes.patch.set_visible(False)
+        shade = _weight_axis(axes, x, weight(x), "weight w(x)")
         axes.plot(x, bound_activation.df(x), color="tab:blue", linewidth=1.5, label="f'(x)")
         edges = np.concatenate([[low], inside, [high]])
         axes.stairs(
@@ -137,9 +154,7 @@ def plot_bits_grid(
         axes.set_ylabel("derivative")
         axes.set_xlim(low, high)
         axes.grid(alpha=0.3)
-        handles, labels = axes.get_legend_handles_labels()
-        more_handles, more_labels = shade.get_legend_handles_labels()
-        axes.legend(handles + more_handles, labels + more_labels, fontsize=7, loc="best")
+        _legend(axes, shade, fontsize=7, loc="upper left")
     figure.suptitle(f"{_activation_label(bound_activation)}: few-bit derivative, weight {_weight_label(weight)}")
     figure.tight_layout()
     return save_figure(figure, path, force=force)
@@ -149,17 +164,25 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: s
     """Error (log scale) and SNR (dB) against bits, one line per activation, the two modes side by side.
 
     ``rows`` are dicts with activation, mode, bits, error and snr_db. Exact tables (error 0) are left off the
-    log-scale panel and the SNR panel.
+    log-scale panel and the SNR panel. Each activation has its own colour, marker and line style (lines that
+    coincide stay visible: open markers of different shapes, dashes), and the one legend sits outside the panels,
+    to their right.
     """
     names = list(dict.fromkeys(row["activation"] for row in rows))
-    figure = _figure(12.0, 8.6)
+    figure = _figure(13.0, 8.6)
     grid = figure.subplots(2, 2, sharex=True, sharey="row")
-    markers = "os^vD<>ph*"
     for column, mode in enumerate(("levelsets", "intervals")):
         for index, name in enumerate(names):
             series = sorted((r for r in rows if r["activation"] == name and r["mode"] == mode), key=lambda r: r["bits"])
             kept = [r for r in series if r["error"] > 0 and r["snr_db"] is not None]
-            style = {"color": f"C{index % 10}", "marker": markers[index % 10], "linewidth": 1.3, "markersize": 4}
+            style = {
+                "color": f"C{index % 10}",
+                "marker": MARKERS[index % len(MARKERS)],
+                "linestyle": LINESTYLES[index % len(LINESTYLES)],
+                "markerfacecolor": "none",
+                "linewidth": 1.4,
+                "markersize": 6 + 2 * (index % 3),
+            }
             grid[0, column].plot([r["bits"] for r in kept], [r["error"] for r in kept], label=name, **style)
             grid[1, column].plot([r["bits"] for r in kept], [r["snr_db"] for r in kept], label=name, **style)
         grid[0, column].set_yscale("log")
@@ -170,7 +193,14 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: s
         grid[1, column].set_xlabel("bits per element")
         for axes in grid[:, column]:
             axes.grid(alpha=0.3, which="both")
-    grid[0, 0].legend(fontsize=8, ncol=2)
+    grid[1, 0].xaxis.get_major_locator().set_params(integer=True)
     figure.suptitle("Few-bit derivative approximations: error and SNR against bits" + (f"\n{title}" if title else ""))
-    figure.tight_layout()
+    figure.tight_layout(rect=(0.0, 0.0, 0.88, 1.0))
+    handles, labels = grid[0, 0].get_legend_handles_labels()
+    for axes in grid.flat:  # an activation drawn only in some panels (exact elsewhere) still gets its entry
+        for handle, label in zip(*axes.get_legend_handles_labels(), strict=True):
+            if label not in labels:
+                handles.append(handle)
+                labels.append(label)
+    figure.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.885, 0.93), title="activation", fontsize=9)
     return save_figure(figure, path, force=force)

@@ -159,9 +159,67 @@ def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(chosen) if chosen else TECHNIQUES
 
 
+def event_edges(labels: list[str], marks: dict[str, int], operators: int) -> list[float]:
+    """The x edges (operator indices of the measured step) of the predicted events ``labels``: event k spans
+    ``[edges[k], edges[k + 1])``. An event without a mark (a block whose input needs no gradient) shares the gap up
+    to the next mark evenly with its unmarked neighbours; the last event ends at ``operators``.
+
+    >>> event_edges(["a", "b", "c", "d"], {"a": 2, "c": 10}, 12)
+    [0.0, 2.0, 6.0, 10.0, 12.0]
+    """
+    ends: list[float | None] = [float(marks[label]) if label in marks else None for label in labels]
+    ends[-1] = float(operators)
+    edges, start, pending = [0.0], 0.0, 0
+    for end in ends:
+        if end is None:
+            pending += 1
+            continue
+        end = max(end, start)
+        step = (end - start) / (pending + 1)
+        edges += [start + step * (k + 1) for k in range(pending)] + [end]
+        start, pending = end, 0
+    return edges
+
+
+def _draw_timeline(timeline: Any, data: dict[str, Any], mib: float) -> None:
+    """Predicted and measured live bytes on one x axis, the operators of the measured step (without a
+    measurement: the predicted events in order), each with its peak marked and labelled."""
+    predicted = data["timeline"]["predicted"]
+    measured = data["timeline"].get("measured")
+    labels = [label for label, _ in predicted]
+    values = [value / mib for _, value in predicted]
+    if measured:
+        edges = event_edges(labels, data.get("marks", {}), len(measured))
+        timeline.set_xlabel("operators of the step, in order (forward, then backward)")
+    else:
+        edges = [float(k) for k in range(len(values) + 1)]
+        timeline.set_xlabel("events of the predicted step, in order (forward, then backward; --measure: operators)")
+    timeline.stairs(values, edges, baseline=None, color="tab:blue", linewidth=1.8, label="predicted")
+    peak = max(range(len(values)), key=values.__getitem__)
+    where = (edges[peak] + edges[peak + 1]) / 2
+    timeline.plot([where], [values[peak]], marker="v", markersize=10, color="tab:blue", markeredgecolor="white",
+                  linestyle="none", label=f"predicted peak {values[peak]:.2f} MiB")  # fmt: skip
+    if measured:
+        live = [value / mib for _, value in measured]
+        timeline.plot(range(len(live)), live, drawstyle="steps-post", color="tab:orange", linewidth=1.1,
+                      label="measured")  # fmt: skip
+        top = max(range(len(live)), key=live.__getitem__)
+        timeline.plot([top], [live[top]], marker="^", markersize=10, color="tab:orange", markeredgecolor="black",
+                      linestyle="none", label=f"measured peak {live[top]:.2f} MiB")  # fmt: skip
+    forward = [k for k, label in enumerate(labels) if label.startswith("forward ")]
+    if forward:
+        timeline.axvline(edges[forward[-1] + 1], color="gray", linestyle=":", linewidth=1, label="forward | backward")
+    timeline.axhline(data["budget_bytes"] / mib, color="black", linestyle="--", linewidth=1, label="budget")
+    timeline.set_ylabel("live MiB")
+    timeline.set_title("peak-memory timeline")
+    timeline.margins(y=0.12)
+    timeline.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+
+
 def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> None:
     """Draw ``plan``'s figure: a stacked bar of memory at the end of the forward pass by technique (unconverted
-    against the plan), and the live bytes over one step (predicted; measured too after ``plan.measure``)."""
+    against the plan), and the live bytes over one step (predicted; measured too after ``plan.measure``, on the same
+    x axis: the operators of the measured step, with both peaks marked)."""
     import io
 
     import matplotlib
@@ -185,15 +243,7 @@ def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> Non
     bars.set_ylabel("MiB alive at the end of the forward pass")
     bars.legend(fontsize=7)
     bars.set_title("memory by technique")
-    for label, series in data["timeline"].items():
-        values = [value / mib for _, value in series]
-        xs = [i / max(len(values) - 1, 1) for i in range(len(values))]
-        timeline.plot(xs, values, drawstyle="steps-post", label=label)
-    timeline.axhline(data["budget_bytes"] / mib, color="black", linestyle="--", linewidth=1, label="budget")
-    timeline.set_xlabel("progress through one training step (forward, then backward)")
-    timeline.set_ylabel("live MiB")
-    timeline.set_title("peak-memory timeline")
-    timeline.legend(fontsize=8)
+    _draw_timeline(timeline, data, mib)
     figure.tight_layout()
     buffer = io.BytesIO()
     suffix = os.path.splitext(os.fspath(path))[1].lstrip(".") or "png"

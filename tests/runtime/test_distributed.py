@@ -2,7 +2,9 @@
 
 One launch of ``tests/runtime/distributed/train_step.py`` runs every (technique, wrapper) case and writes a JSON
 record per case; each test here checks one record: the gradients after one step equal the single-process model's on
-the concatenated batch (float64; the tolerance and why are in the script's docstring).
+the concatenated batch (float64; the tolerance and why are in the script's docstring), or are close to them for the
+technique that rounds stochastically. Every technique the planner can choose on the script's models has a
+``plan-<technique>`` case (a plan that uses it), and the one it cannot choose (the LM head) is converted directly.
 """
 
 from __future__ import annotations
@@ -17,15 +19,14 @@ from pathlib import Path
 import pytest
 
 SCRIPT = Path(__file__).parent / "distributed" / "train_step.py"
-CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan")
+#: the techniques the planner can choose on the script's models (each gets a plan case)
+PLANNED = ("norms", "gated", "blpa", "fewbit", "linear", "offload", "checkpoint")
+CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head") + tuple(f"plan-{t}" for t in PLANNED)
 WRAPPERS = ("ddp", "fsdp2")
 RELATIVE, ABSOLUTE = 1e-10, 1e-12
-
-# Known failures, skipped with the exact error they raise (any other outcome fails the test).
-KNOWN = {
-    "blpa-fsdp2": "RuntimeError: Trying to resize storage that is not resizable",
-    "offload-fsdp2": "RuntimeError: Attempted to access the data pointer on an invalid python storage.",
-}
+#: compressed linear inputs round stochastically (8-bit group codes; the processes draw different random numbers),
+#: so the weight gradients are close, not equal: measured 0.9% of their largest magnitude (float64, batch 8 x 16)
+CLOSE = {"plan-linear": 0.05}
 
 
 @pytest.fixture(scope="module")
@@ -60,15 +61,28 @@ def test_one_step_matches_single_process(results, case, wrapper):
     key = f"{case}-{wrapper}"
     record = results["cases"][key]
     if record["status"] != "ok":
-        if KNOWN.get(key) == record["message"]:
-            pytest.skip(f"{key}: {record['message']} (known; see the README, Memory planner, Distributed training)")
         raise AssertionError(f"{key}: {record['message']}\n{record.get('traceback', '')}")
     assert record["errors"], f"{key}: no gradients compared"
+    relative = CLOSE.get(case, RELATIVE)
     for name, error in record["errors"].items():
         assert error["scale"] > 0, f"{key}: gradient of {name} is zero: the check would be empty"
-        bound = RELATIVE * error["scale"] + ABSOLUTE
+        bound = relative * error["scale"] + ABSOLUTE
         assert error["max_abs"] <= bound, f"{key}: {name} differs by {error['max_abs']:.3g} > {bound:.3g}"
-    if case == "fewbit":  # the few-bit gradients are really the approximate ones, not the exact ones
-        assert record["differs_from_exact"] is True
+    if case in ("fewbit", "blpa") or case in CLOSE:
+        assert record["approximate"] is True, key
+    if record["approximate"]:  # the approximate gradients are really the approximate ones, not the exact ones
+        assert record["differs_from_exact"] is True, key
     if case == "plan":  # the plan converted something
         assert record["how"] != "plan_memory: ", record["how"]
+    if case.startswith("plan-"):  # the plan uses its technique on some block
+        technique = case.removeprefix("plan-")
+        choices = record["how"].split(": ", 1)[1].split(", ")
+        assert any(technique in choice.split("+") for choice in choices), record["how"]
+
+
+def test_every_technique_the_planner_can_choose_has_a_case(results):
+    """A newly registered technique that the planner can choose on the script's models fails here until it gets a
+    ``plan-<technique>`` case; one it can choose nowhere needs a case of its own (the head: converted directly)."""
+    choosable = results["choosable"]
+    assert {name for name, kind in choosable.items() if kind is not None} == set(PLANNED)
+    assert {name for name, kind in choosable.items() if kind is None} <= set(CASES)

@@ -103,8 +103,8 @@ class ChannelGrid:
     def __init__(self, gamma: torch.Tensor, beta: torch.Tensor, bits: int):
         levels = 1 << bits
         half = levels >> 1
-        g = gamma.detach().to("cpu", torch.float64).numpy()
-        b = beta.detach().to("cpu", torch.float64).numpy()
+        g = parameter_numpy(gamma, torch.float64)
+        b = parameter_numpy(beta, torch.float64)
         zero = g == 0
         self.bits = bits
         inv_delta = levels / 6.0
@@ -249,7 +249,17 @@ def use_kernels(tensor: torch.Tensor) -> bool:
 
 
 def _numpy(tensor: torch.Tensor, dtype: torch.dtype):
+    """A flat numpy view of an activation or gradient (a copy only where the dtype or layout needs one)."""
     return tensor.detach().to(dtype).contiguous().reshape(-1).numpy()
+
+
+def parameter_numpy(tensor: torch.Tensor, dtype: torch.dtype):
+    """A flat numpy copy of a parameter (gamma, beta) on the host, never a view of its storage.
+
+    ``Tensor.numpy()`` marks the storage it views as not resizable, and FSDP2 (``fully_shard``) frees an unsharded
+    parameter after forward by resizing its storage to 0: a view here would make that raise
+    ``RuntimeError: Trying to resize storage that is not resizable``. The copy is one value per channel."""
+    return tensor.detach().to("cpu", dtype, copy=True).reshape(-1).numpy()
 
 
 _POOL: list[ThreadPoolExecutor] = []
@@ -300,8 +310,9 @@ def _kernel_tables(grid: ChannelGrid, gamma: torch.Tensor, beta: torch.Tensor, d
     a1_table, mask_table = np.empty(shape, dtype=np.float64), np.empty(shape, dtype=np.float64)
     arrays = grid.numpy
     kernels.tables(
-        arrays["p"], arrays["z"], arrays["step"], arrays["offset"], arrays["r"], _numpy(gamma, torch.float64),
-        _numpy(beta, torch.float64), lut_a1, lut_a3, a1_table, mask_table,
+        arrays["p"], arrays["z"], arrays["step"], arrays["offset"], arrays["r"],
+        parameter_numpy(gamma, torch.float64), parameter_numpy(beta, torch.float64),
+        lut_a1, lut_a3, a1_table, mask_table,
     )  # fmt: skip
     return lut_a1, lut_a3, a1_table, mask_table
 
@@ -340,7 +351,8 @@ def forward_kernel(
     scratch = np.empty(x.numel() if bits is not None else 0, dtype=np.uint8)
     _run_planes(
         kernels.forward, planes, inner,
-        _numpy(x, dtype), _numpy(mean, dtype), _numpy(invstd, dtype), _numpy(gamma, dtype), _numpy(beta, dtype),
+        _numpy(x, dtype), _numpy(mean, dtype), _numpy(invstd, dtype),
+        parameter_numpy(gamma, dtype), parameter_numpy(beta, dtype),
         channels, inner, mode, bool(naive), bits or 8, scale, f, p, lut_a3, a3.view(-1).numpy(), scratch,
         packed.numpy(), store_array,
     )  # fmt: skip
@@ -357,8 +369,8 @@ class _Decoder:
 
         numpy_dtype = np.float64 if dtype == torch.float64 else np.float32
         channels, planes, inner = _layout(shape)
-        self.gamma = _numpy(gamma, dtype)
-        self.beta = _numpy(beta, dtype)
+        self.gamma = parameter_numpy(gamma, dtype)
+        self.beta = parameter_numpy(beta, dtype)
         if bits is None:
             self.mode = 0
             self.codes = np.zeros(0, dtype=np.uint8)
@@ -417,7 +429,7 @@ def backward_kernel(
     grad_x = None
     if need_x:
         count = (planes // channels) * inner
-        gamma64 = gamma.detach().to(torch.float64)
+        gamma64 = torch.from_numpy(parameter_numpy(gamma, torch.float64))  # (a copy: see parameter_numpy)
         mean_grad = (gamma64 * grad_beta / count).numpy()
         mean_proj = (gamma64 * grad_gamma / count).numpy()
         invstd64 = invstd.detach().to(torch.float64).numpy()

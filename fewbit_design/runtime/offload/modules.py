@@ -13,7 +13,7 @@ import torch
 
 from ...errors import FewBitError, close_matches
 from .region import DEFAULT_MIN_BYTES, _Options, _Region
-from .session import Session, Stats
+from .session import Session, Stats, storage_pointer
 
 __all__ = ["apply", "OffloadHandle"]
 
@@ -50,7 +50,7 @@ class _ModuleOffloader:
         if session is None or session.sealed or session._closed is not None:
             model = self._model()
             tensors = [] if model is None else [*model.parameters(), *model.buffers()]
-            exclude = frozenset(t.untyped_storage().data_ptr() for t in tensors)
+            exclude = frozenset(pointer for pointer in map(storage_pointer, tensors) if pointer is not None)
             session = self.options.session(exclude)
             self._session = weakref.ref(session)
             self.stats = session.stats

@@ -42,7 +42,7 @@ from ...errors import FewBitError
 from . import schedule
 from .layout import Layout, describe, raw_bytes, restore
 
-__all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats"]
+__all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats", "storage_pointer"]
 
 
 @dataclass
@@ -168,6 +168,20 @@ def _is_parameter_like(tensor: torch.Tensor) -> bool:
     return isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)
 
 
+def storage_pointer(tensor: torch.Tensor) -> int | None:
+    """The address of ``tensor``'s storage, or None for a tensor without one (functorch wrappers, fakes).
+
+    A ``DTensor`` (FSDP2's sharded parameters) answers with its local shard's storage: its own wrapper storage is
+    invalid, and reading its address raises."""
+    local = getattr(tensor, "_local_tensor", None)
+    if isinstance(local, torch.Tensor):
+        tensor = local
+    try:
+        return tensor.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):
+        return None
+
+
 class Session:
     """Pack/unpack hooks of one step. ``make_target(device)`` gives the target of a ``torch.device`` or ``None``
     to leave that device's tensors in place; targets are made on first use, or at once for the ``probe`` devices
@@ -265,16 +279,13 @@ class Session:
         self._reap()
         if not self._eligible(tensor):
             return tensor
-        try:
-            storage_pointer = tensor.untyped_storage().data_ptr()
-        except (RuntimeError, NotImplementedError):  # tensors without storage (functorch wrappers, fakes)
-            return tensor
-        if storage_pointer in self.exclude:
+        pointer = storage_pointer(tensor)
+        if pointer is None or pointer in self.exclude:
             return tensor
         layout = describe(tensor)
         if layout.nbytes == 0 or layout.nbytes < self.min_bytes:
             return tensor
-        key = (storage_pointer, tensor.storage_offset(), layout.size, layout.stride, layout.dtype, tensor._version)
+        key = (pointer, tensor.storage_offset(), layout.size, layout.stride, layout.dtype, tensor._version)
         hit = self._seen.get(key)
         if hit is not None:
             same, record = hit[0](), hit[1]()

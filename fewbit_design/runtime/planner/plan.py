@@ -72,7 +72,9 @@ class MemoryPlan:
             (``approximate`` is absent in plans saved before it existed: they read as ``"allowed"``, the rule
             their choices were made by).
         measured: after :meth:`measure`: ``peak_bytes`` (whole step, like the prediction), ``step_seconds``,
-            ``saved_bytes`` per block and a ``timeline``; None before.
+            ``saved_bytes`` per block, a ``timeline`` (live bytes after each operator) and ``marks`` (the index in
+            that timeline where each event of the predicted timeline ends: :class:`.profile.StepMarks`); None
+            before.
         fingerprint: per block of the chain, its class and parameter shapes (see
             :mod:`fewbit_design.runtime.checkpoint.fingerprint`); :meth:`apply` refuses a model whose blocks differ.
             Empty in plans saved before fingerprints existed: they load, and apply without that check.
@@ -220,6 +222,11 @@ class MemoryPlan:
             )
         return container, keys, blocks
 
+    def _blocks(self, model: torch.nn.Module) -> list[torch.nn.Module]:
+        """The blocks of the chain of ``model`` (which has the plan's architecture)."""
+        container = model.get_submodule(self.chain)
+        return [container._modules[b.name.rpartition(".")[2] if self.chain else b.name] for b in self.costs.blocks]
+
     # --- measuring -------------------------------------------------------------------------------------------
     def measure(
         self,
@@ -233,19 +240,24 @@ class MemoryPlan:
         then ``steps`` timed steps; gradients are set to None before and after (no optimizer step). The result is
         kept in ``measured`` (and shown by :meth:`report`). Caches are off meanwhile, as when profiling
         (:func:`.profile.caches_disabled`)."""
-        from .profile import caches_disabled, default_loss
+        from .profile import StepMarks, caches_disabled, default_loss
 
         loss_fn = loss_fn or default_loss
         parameters = list(model.parameters())
         for parameter in parameters:
             parameter.grad = None
         alive = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
+        names = [b.name for b in self.costs.blocks]
         with caches_disabled(model):
             with memory.peak(model, *alive, timeline=True) as result:
-                with memory.saved_bytes(model) as saved:
-                    loss = loss_fn(model(*inputs, **kwargs))
-                loss.backward()
-                del loss
+                marks = StepMarks(self._blocks(model), names, result)
+                try:
+                    with memory.saved_bytes(model) as saved:
+                        loss = loss_fn(model(*inputs, **kwargs))
+                    loss.backward()
+                    del loss
+                finally:
+                    step_marks = marks.finish()
             times = []
             for _ in range(steps):
                 for parameter in parameters:
@@ -267,6 +279,7 @@ class MemoryPlan:
             "step_seconds": statistics.median(times) if times else float("nan"),
             "saved_bytes": per_block,
             "timeline": [[name, value + result.baseline_bytes] for name, value in timeline[::stride]],
+            "marks": {label: -(-index // stride) for label, index in step_marks.items()},
         }
         return self.measured
 
@@ -341,7 +354,8 @@ class MemoryPlan:
         """The numbers behind the figure (drawn by ``fewbit_design.cli.memory.plot_plan``; the runtime never imports
         matplotlib): ``bars``: for the unconverted model and the plan, bytes at the end of the forward pass by what
         holds them (parameters and inputs, before the chain, each technique's blocks); ``timeline``: predicted
-        (and measured) live bytes over one step."""
+        (and measured) live bytes over one step; after :meth:`measure`, ``marks``: where each predicted event ends
+        in the measured timeline (so both share one x axis, the operators of the step)."""
 
         def bar(choice: list[OptionCost]) -> dict[str, int]:
             parts = {"parameters and inputs": self.baseline_bytes, "before the chain": self.costs.entry_bytes}
@@ -361,6 +375,7 @@ class MemoryPlan:
         }
         if self.measured is not None:
             data["timeline"]["measured"] = self.measured["timeline"]
+            data["marks"] = dict(self.measured.get("marks", {}))
         return data
 
     # --- JSON ------------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ from ..blockrun import first_tensor, run_block, synchronize, training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
-__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled"]
+__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled", "StepMarks"]
 
 
 @contextlib.contextmanager
@@ -111,6 +111,63 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
     if args and isinstance(args[0], torch.Tensor):
         return args[0]
     raise FewBitError("a block of the chain must take its hidden state as its first argument (a tensor)")
+
+
+class StepMarks:
+    """Where each event of the predicted timeline (:func:`.model.replay`: ``before the chain``, ``forward <block>``,
+    ``loss and modules after the chain``, ``backward <block>``, ``modules before the chain (backward)``) ends in a
+    measured step: ``marks[label]`` is the number of operators run by then (an index into ``result.timeline`` of
+    :func:`memory.peak`). So the predicted and the measured live bytes share one x axis, the operators of the step.
+
+    A block's forward ends with its forward hook (the first call: a checkpointed block runs forward again in
+    backward), its backward when the gradient of its input arrives (not marked where the input needs no gradient);
+    :meth:`finish` marks the end of the step."""
+
+    def __init__(self, blocks: list[torch.nn.Module], names: list[str], result: memory.Peak) -> None:
+        self.result, self.names, self.last = result, names, len(blocks) - 1
+        self.marks: dict[str, int] = {}
+        self.handles = []
+        for index, block in enumerate(blocks):
+            self.handles.append(block.register_forward_pre_hook(self._pre(index), with_kwargs=True))
+            self.handles.append(block.register_forward_hook(self._post(index)))
+
+    def mark(self, label: str) -> None:
+        self.marks.setdefault(label, len(self.result.timeline or ()))
+
+    def _on_grad(self, label: str) -> Any:
+        return lambda grad: self.mark(label)
+
+    def _pre(self, index: int):
+        def hook(module, args, kwargs):
+            if index == 0:
+                self.mark("before the chain")
+            hidden = args[0] if args and isinstance(args[0], torch.Tensor) else None
+            if hidden is not None and hidden.requires_grad and f"forward {self.names[index]}" not in self.marks:
+                hidden.register_hook(self._on_grad(f"backward {self.names[index]}"))
+
+        return hook
+
+    def _post(self, index: int):
+        def hook(module, args, output):
+            label = f"forward {self.names[index]}"
+            hidden = output[0] if isinstance(output, tuple | list) and output else output
+            if (
+                index == self.last
+                and label not in self.marks
+                and isinstance(hidden, torch.Tensor)
+                and hidden.requires_grad
+            ):
+                hidden.register_hook(self._on_grad("loss and modules after the chain"))
+            self.mark(label)
+
+        return hook
+
+    def finish(self) -> dict[str, int]:
+        """Remove the hooks, mark the end of the step and return the marks."""
+        for handle in self.handles:
+            handle.remove()
+        self.mark("modules before the chain (backward)")
+        return self.marks
 
 
 class _Recorder:

@@ -54,6 +54,7 @@ OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
 OFFLOAD_OPTIONAL = ("max_host_bytes", "directory")  # offload.apply's other arguments, for a plan edited by hand
 FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
 MEASURED_FIELDS = ("peak_bytes", "step_seconds", "saved_bytes", "timeline")
+MEASURED_OPTIONAL = ("marks",)  # absent in plans measured before it existed
 
 
 def _list(where: str, value: Any) -> list | tuple:
@@ -189,7 +190,7 @@ def _check_facts(facts: Any) -> None:
 def _check_measured(measured: Any) -> None:
     if measured is None:
         return
-    check_keys("measured", measured, MEASURED_FIELDS)
+    check_keys("measured", measured, MEASURED_FIELDS, MEASURED_OPTIONAL)
     check_integer("measured.peak_bytes", measured["peak_bytes"], low=0)
     check_number("measured.step_seconds", measured["step_seconds"], low=0, allow_nan=True)  # NaN: no timed step
     _check_byte_map("measured.saved_bytes", measured["saved_bytes"])
@@ -198,6 +199,12 @@ def _check_measured(measured: Any) -> None:
             raise FewBitError(f"measured.timeline[{index}] must be [label, bytes], got {show(event)}")
         check_string(f"measured.timeline[{index}] label", event[0])
         check_integer(f"measured.timeline[{index}] bytes", event[1], low=0)
+    marks = measured.get("marks", {})
+    if not isinstance(marks, dict):
+        raise FewBitError(f"measured.marks must be an object of event labels to operator indices, got {show(marks)}")
+    for label, index in marks.items():
+        check_string("measured.marks key", label)
+        check_integer(f"measured.marks[{label!r}]", index, low=0, high=len(measured["timeline"]))
 
 
 def check_plan(plan: Any) -> None:
