@@ -126,6 +126,11 @@ def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, boundaries, int
     return x.new_empty(rows, w_down.shape[0]), codes(derivative_bits), codes(bits), scales(), codes(bits), scales()
 
 
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """A fresh empty tensor for a gradient that is not computed (a custom op's outputs may not alias each other)."""
+    return like.new_empty(0)
+
+
 @torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())
 def _backward_op(
     grad: torch.Tensor,
@@ -159,17 +164,16 @@ def _backward_op(
     del a
     grad_gate = scale(grad_h * up, derivative, levels, derivative_bits)  # act'(gate) ~ levels[code]
     del up, grad_h
-    empty = grad.new_empty(0)
     if fused:
         grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
-        grad_x = grad_kept.mm(w_gate) if input_grad else empty
+        grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
         if not weight_grad:
-            return grad_x, empty, empty, empty, empty, grad_w_down, grad_b_down
+            return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
         x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
-        return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), empty, empty, grad_w_down, grad_b_down
-    grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else empty
+        return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+    grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else _empty(grad)
     if not weight_grad:
-        return grad_x, empty, empty, empty, empty, grad_w_down, grad_b_down
+        return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
     x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
     return (
         grad_x,
@@ -185,14 +189,14 @@ def _backward_op(
 @_backward_op.register_fake
 def _(grad, x_packed, x_scales, derivative, levels, a_packed, a_scales, up_packed, up_scales, w_gate, w_up, w_down,
       derivative_bits, bits, group_size, input_grad, weight_grad):  # fmt: skip
-    rows, empty = grad.shape[0], grad.new_empty(0)
-    grad_x = grad.new_empty(rows, w_gate.shape[1]) if input_grad else empty
+    rows = grad.shape[0]
+    grad_x = grad.new_empty(rows, w_gate.shape[1]) if input_grad else _empty(grad)
     grad_w_down, grad_b_down = grad.new_empty(w_down.shape), grad.new_empty(w_down.shape[0])
     if not weight_grad:
-        return grad_x, empty, empty, empty, empty, grad_w_down, grad_b_down
+        return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
     grad_w_gate, grad_b_gate = grad.new_empty(w_gate.shape), grad.new_empty(w_gate.shape[0])
     if w_up is None:
-        return grad_x, grad_w_gate, grad_b_gate, empty, empty, grad_w_down, grad_b_down
+        return grad_x, grad_w_gate, grad_b_gate, _empty(grad), _empty(grad), grad_w_down, grad_b_down
     grad_w_up, grad_b_up = grad.new_empty(w_up.shape), grad.new_empty(w_up.shape[0])
     return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
