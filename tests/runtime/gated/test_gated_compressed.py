@@ -281,3 +281,15 @@ def test_silu_table_is_the_derivative():
         q = scale_reference(torch.ones_like(gate), codes, tensors.levels32, 3)
         (derivative,) = torch.autograd.grad(NATIVE[activation](gate).sum(), gate)
         assert float((q - derivative).abs().mean()) < 0.1, activation
+
+
+def test_autocast_forward_is_the_exact_forward():
+    torch.manual_seed(0)
+    native = NativeGated(64, 128, "silu", bias=True)
+    x = torch.randn(4, 64, requires_grad=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        exact, ours = replacement(native)(x), compressed(native, 8)(x)
+    assert ours.dtype == torch.bfloat16
+    torch.testing.assert_close(ours, exact, rtol=0, atol=0)
+    (grad_x,) = torch.autograd.grad(ours.float().sum(), [x])
+    assert grad_x.dtype == torch.float32 and torch.isfinite(grad_x).all()
