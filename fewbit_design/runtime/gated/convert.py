@@ -42,10 +42,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import FewBitError
+from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
-from .nn import LAYOUTS, GatedMLP, Layout
+from ..linear.quant import GROUP_SIZE, check_options
+from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
 __all__ = ["convert", "GatedReport", "PROBE_TOLERANCE", "ACTIVATION_ATTRIBUTES"]
 
@@ -95,6 +96,8 @@ class GatedReport:
     replaced: list[Replaced] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)
     already: int = 0  # GatedMLP modules found in the model (converted before)
+    mode: str = "exact"
+    bits: int = 8
 
     def __str__(self) -> str:
         lines = [f"gated MLP: replaced {len(self.replaced)} module(s), left {len(self.skipped)} alone"]
@@ -102,7 +105,12 @@ class GatedReport:
             (item.original, item.activation, item.fused) for item in self.replaced
         ).items():
             layout = ", fused gate_up" if fused else ""
-            lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; saves x, gate, up)")
+            kept = (
+                "saves x, gate, up"
+                if self.mode == "exact"
+                else f"compressed: saves act' codes and {self.bits}-bit codes of x, act(gate), up"
+            )
+            lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; {kept})")
         for (original, reason), count in Counter((item.original, item.reason) for item in self.skipped).items():
             lines.append(f"  left alone: {count} x {original}: {reason}")
         if self.already:
@@ -238,7 +246,7 @@ def _agrees(original: torch.nn.Module, replacement: GatedMLP, layout: Layout) ->
     return None
 
 
-def _candidate(module: torch.nn.Module) -> GatedMLP | str | None:
+def _candidate(module: torch.nn.Module, options: dict) -> GatedMLP | str | None:
     """The replacement, the reason to leave the module alone, or None when it is not gated-MLP shaped."""
     layout = _layout(module)
     if layout is None:
@@ -251,13 +259,17 @@ def _candidate(module: torch.nn.Module) -> GatedMLP | str | None:
     if reason is not None:
         return reason
     children = {name: child for name, child in module._modules.items() if child is not None}
-    replacement = GatedMLP(children, layout, op_activation, original=_class_path(type(module)))
+    replacement = GatedMLP(children, layout, op_activation, original=_class_path(type(module)), **options)
     replacement.train(module.training)
     return _agrees(module, replacement, layout) or replacement
 
 
-def convert(model: torch.nn.Module) -> torch.nn.Module:
+def convert(model: torch.nn.Module, *, mode: str = "exact", bits: int = 8) -> torch.nn.Module:
     """Replace the gated MLPs of ``model`` (in place) by :class:`~.nn.GatedMLP`; returns the model.
+
+    ``mode``: ``"exact"`` (keep x, gate and up; exact gradients) or ``"compressed"`` (few-bit codes of act'(gate) and
+    ``bits``-bit group codes of x, act(gate) and up, 2 to 8 bits: exact forward, approximate gradients; see
+    :mod:`.compressed`). A module that is a :class:`~.nn.GatedMLP` already keeps its mode.
 
     The report (:class:`GatedReport`: what was replaced, what was left alone and why) is ``model.gated_report``. A
     model that is itself a gated MLP cannot be changed in place: its replacement is returned (use the return value).
@@ -265,7 +277,11 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"gated.convert takes a torch.nn.Module, got {type(model).__name__}")
-    report = GatedReport()
+    options = {
+        "mode": check_choice("gated MLP mode", mode, MODES),
+        "bits": check_options(bits, GROUP_SIZE, "stochastic")[0],
+    }
+    report = GatedReport(mode=options["mode"], bits=options["bits"])
     decided: dict[int, GatedMLP | str | None] = {}
     names: dict[int, list[str]] = {}
     originals: dict[int, torch.nn.Module] = {}
@@ -273,7 +289,7 @@ def convert(model: torch.nn.Module) -> torch.nn.Module:
     def decide(module: torch.nn.Module, name: str) -> GatedMLP | str | None:
         key = id(module)
         if key not in decided:
-            decided[key] = None if isinstance(module, GatedMLP) else _candidate(module)
+            decided[key] = None if isinstance(module, GatedMLP) else _candidate(module, options)
             originals[key] = module
             if isinstance(module, GatedMLP):
                 report.already += 1

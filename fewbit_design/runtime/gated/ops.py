@@ -243,6 +243,27 @@ def _check_shapes(x: torch.Tensor, w_gate: torch.Tensor, w_up: torch.Tensor | No
         raise FewBitError(f"gated MLP: w_down takes {w_down.shape[-1]} features but the product has {width}")
 
 
+def prepare_inputs(
+    x: torch.Tensor, weights: tuple[torch.Tensor | None, ...], activation: str
+) -> tuple[torch.Tensor, tuple[torch.Tensor | None, ...]]:
+    """``(x, (w_gate, b_gate, w_up, b_up, w_down, b_down))`` checked (activation, one dtype, shapes) and cast to the
+    autocast dtype under ``torch.autocast``, as ``torch.nn.Linear`` is; every mode's entry point starts here."""
+    check_choice("gated MLP activation", activation, ACTIVATIONS)
+    if torch.is_autocast_enabled(x.device.type):
+        dtype = torch.get_autocast_dtype(x.device.type)
+        x = x.to(dtype)
+        weights = tuple(None if w is None else w.to(dtype) for w in weights)
+    for name, tensor in zip(("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"), weights, strict=True):
+        if tensor is not None and tensor.dtype != x.dtype:
+            raise FewBitError(
+                f"gated MLP: {name} is {tensor.dtype} but the input is {x.dtype}: give them one dtype "
+                "(model.to(dtype)) or run under torch.autocast"
+            )
+    w_gate, _, w_up, _, w_down, _ = weights
+    _check_shapes(x, w_gate, w_up, w_down)
+    return x, weights
+
+
 def gated_mlp(
     x: torch.Tensor,
     w_gate: torch.Tensor,
@@ -259,20 +280,7 @@ def gated_mlp(
     Weights follow ``torch.nn.Linear`` (out_features, in_features). Under ``torch.autocast`` the inputs are cast to
     the autocast dtype first, as ``torch.nn.Linear`` is.
     """
-    check_choice("gated MLP activation", activation, ACTIVATIONS)
-    weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    if torch.is_autocast_enabled(x.device.type):
-        dtype = torch.get_autocast_dtype(x.device.type)
-        x = x.to(dtype)
-        weights = tuple(None if w is None else w.to(dtype) for w in weights)
-    w_gate, b_gate, w_up, b_up, w_down, b_down = weights
-    for name, tensor in zip(("w_gate", "b_gate", "w_up", "b_up", "w_down", "b_down"), weights, strict=True):
-        if tensor is not None and tensor.dtype != x.dtype:
-            raise FewBitError(
-                f"gated MLP: {name} is {tensor.dtype} but the input is {x.dtype}: give them one dtype "
-                "(model.to(dtype)) or run under torch.autocast"
-            )
-    _check_shapes(x, w_gate, w_up, w_down)
+    x, weights = prepare_inputs(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation)
     leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):

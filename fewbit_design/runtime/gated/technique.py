@@ -1,6 +1,10 @@
 """The gated-MLP op as the planner sees it: every gated MLP of the block (``down(act(gate(x)) * up(x))``) keeps x,
-gate and up for backward and recomputes the rest (exact gradients). Config: the plan's ``gated_mode`` (only
-``"exact"`` for now)."""
+gate and up for backward and recomputes the rest (exact gradients), or, in compressed mode, few-bit codes of
+act'(gate) and K-bit codes of x, act(gate) and up (approximate gradients). Config: the plan's ``gated_mode``
+(``"exact"``, the default, or ``"compressed"``) and ``gated_bits`` (K, 2 to 8, default 8; read in compressed mode).
+
+``exact`` below is the default mode's: the compressed mode is opt-in through ``gated_mode``, which the planner never
+sets by itself."""
 
 from __future__ import annotations
 
@@ -10,23 +14,24 @@ from typing import Any
 
 import torch
 
-from ...errors import check_choice
+from ...errors import check_choice, check_integer
 from ..registry import Technique
-
-#: the modes of the op (a compressed mode, few-bit codes of act'(gate), is not built yet)
-MODES = ("exact",)
+from .nn import MODES
 
 
-def _apply(block: torch.nn.Module, mode: str) -> torch.nn.Module:
+def _apply(block: torch.nn.Module, config: tuple[str, int]) -> torch.nn.Module:
     from .convert import convert
 
+    mode, bits = config
     with warnings.catch_warnings():  # "nothing replaced": the planner then does not offer the op there
         warnings.simplefilter("ignore", UserWarning)
-        return convert(block)
+        return convert(block, mode=mode, bits=bits)
 
 
-def _config(settings: Mapping[str, Any]) -> str:
-    return check_choice("gated_mode", settings.get("gated_mode", "exact"), MODES)
+def _config(settings: Mapping[str, Any]) -> tuple[str, int]:
+    """(mode, bits) from the plan's settings."""
+    mode = check_choice("gated_mode", settings.get("gated_mode", "exact"), MODES)
+    return mode, check_integer("gated_bits", settings.get("gated_bits", 8), low=2, high=8)
 
 
 TECHNIQUE = Technique(
@@ -36,5 +41,5 @@ TECHNIQUE = Technique(
     exact=True,
     config=_config,
     apply=_apply,
-    settings={"gated_mode": "exact"},
+    settings={"gated_mode": "exact", "gated_bits": 8},
 )

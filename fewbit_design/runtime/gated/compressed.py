@@ -1,0 +1,322 @@
+"""The gated-MLP op's compressed mode: an exact forward, and a backward from codes (approximate gradients).
+
+Terms as in :mod:`.ops` (x (N, H), gate and up (N, I), a = act(gate), h = a * up, y = h W_down^T + b_down). Backward
+needs
+
+    dW_down = g^T h,  dh = g W_down,  d_up = dh * a,  d_gate = act'(gate) * (dh * up),
+    dW_gate = d_gate^T x,  dW_up = d_up^T x,  dx = d_gate W_gate + d_up W_up   (biases: sums of the gradients),
+
+so the values it reads are a, up, act'(gate) and x (h is a * up). This mode keeps
+
+* act'(gate) as few-bit codes (``derivative_bits`` bits per element, default 3): the shipped table of the activation
+  through the runtime lookup, quantized and applied by the few-bit kernels (``quantize`` / ``scale`` of
+  :mod:`fewbit_design.runtime.fewbit.ops`), exactly as a few-bit activation does;
+* a and up as K-bit group codes (``bits`` = K, 2 to 8; :mod:`fewbit_design.runtime.linear.quant`: per-group low and
+  step, float32, 8 bytes per group of ``group_size``), with independent stochastic rounding for a and up, so the
+  recomputed product ``h~ = a~ * up~`` is unbiased (E[a~ up~] = a up) and so are ``dW_down`` and ``d_up``;
+* x as K-bit group codes, once for both weight gradients, through the compressed linear layers' codes
+  (:func:`fewbit_design.runtime.linear.ops` keeps one set of codes per input tensor in eager, so a compressed linear
+  reading the same x would share them). Not kept when neither gate nor up weight needs a gradient.
+
+What to keep (bytes at a given error): a and up are each needed on their own (d_up reads a, d_gate reads up), so two
+I-wide tensors is the least; h is recomputed from them rather than kept (keeping h too costs I more codes per token;
+keeping h instead of a needs a = h / up, unstable where up is near 0). act'(gate) has no cheaper source: it is not a
+function of a for SiLU and GELU (a is not monotone), and the few-bit codes are the smallest form at its error.
+
+Saved bytes per token, for I and H multiples of 8 and of ``group_size`` (in general: ``ceil(n / 8) * bits`` bytes
+for n codes plus 8 bytes per group; :func:`saved_nbytes_per_token` counts it exactly for any shape):
+
+    (H + 2 I) * K / 8 + 8 * (H + 2 I) / group_size + I * derivative_bits / 8
+
+e.g. H = 128, I = 256, group 64, 3-bit derivative codes: 816 bytes at K = 8 and 496 at K = 4, against exact mode's
+(H + 2 I) * 4 = 2560 (float32) and native eager's (H + 4 I) * 4 = 4608.
+
+Non-finite values: a group of a or up that holds a non-finite value decodes to NaN (:mod:`..linear.quant`), so every
+gradient that reads it is NaN: never a finite gradient from a non-finite forward.
+
+Custom ops (fake kernels, ``register_autograd``): ``fewbit::gated_mlp_compressed`` and
+``fewbit::gated_mlp_compressed_backward``; :func:`gated_mlp_compressed` is the entry point used by
+:class:`~.nn.GatedMLP` (``mode="compressed"``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ...errors import FewBitError
+from ..fewbit.backends import TableTensors, quantize, scale
+from ..linear.ops import _codes as input_codes
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_groups, saved_nbytes
+from .ops import SECOND_ORDER_MESSAGE, _activation, _linear, gated_mlp_reference, prepare_inputs
+
+__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token", "TABLE_ACTIVATIONS"]
+
+#: the op's activation -> (runtime table activation, its params): the shipped tables act'(gate) is coded with
+TABLE_ACTIVATIONS = {
+    "silu": ("silu", {}),
+    "gelu": ("gelu", {"approximate": "none"}),
+    "gelu_tanh": ("gelu", {"approximate": "tanh"}),
+    "relu": ("relu", {}),
+}
+
+
+def saved_nbytes_per_token(
+    hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, derivative_bits: int = 3, tokens: int = 1
+) -> int:
+    """Bytes the compressed mode keeps for ``tokens`` tokens (x: hidden features, gate and up: width each): K-bit
+    codes and scales of x, a and up plus the few-bit codes of act'(gate) (per token when ``tokens`` is 1)."""
+    x_bytes = saved_nbytes((tokens, hidden), bits, group_size)
+    return x_bytes + 2 * saved_nbytes((tokens, width), bits, group_size) + -(-tokens * width // 8) * derivative_bits
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Custom ops
+
+
+@torch.library.custom_op("fewbit::gated_mlp_compressed", mutates_args=())
+def _forward_op(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+    activation: str,
+    boundaries: torch.Tensor,
+    interval_codes: torch.Tensor,
+    derivative_bits: int,
+    bits: int,
+    group_size: int,
+    stochastic: bool,
+    seed: torch.Tensor,
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    levels32: torch.Tensor,
+    levels64: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, act'(gate) codes, a's packed codes and scales, up's packed codes and scales) for a 2-D x. x's codes and the
+    table's levels are not read here: they are inputs so that autograd's setup keeps them for backward."""
+    if w_up is None:
+        gate, up = _linear(x, w_gate, b_gate).chunk(2, dim=-1)
+    else:
+        gate, up = _linear(x, w_gate, b_gate), _linear(x, w_up, b_up)
+    a = _activation(gate, activation)
+    y = _linear(a * up, w_down, b_down)
+    derivative = quantize(gate, boundaries, interval_codes, derivative_bits)
+    a_packed, a_scales = quantize_groups(a, bits, group_size, stochastic=stochastic, seed=int(seed))
+    # an independent stream for up (seed + 1): correlated rounding of a and up would bias a~ * up~
+    up_packed, up_scales = quantize_groups(up, bits, group_size, stochastic=stochastic, seed=int(seed) + 1)
+    return y, derivative, a_packed, a_scales, up_packed, up_scales
+
+
+@_forward_op.register_fake
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, boundaries, interval_codes, derivative_bits, bits,
+      group_size, stochastic, seed, x_packed, x_scales, levels32, levels64):  # fmt: skip
+    rows, width = x.shape[0], w_down.shape[1]
+    numel = rows * width
+    groups = (width + group_size - 1) // group_size
+
+    def codes(code_bits):
+        return x.new_empty(((numel + 7) // 8) * code_bits, dtype=torch.uint8)
+
+    def scales():
+        return x.new_empty((rows, groups, 2), dtype=torch.float32)
+
+    return x.new_empty(rows, w_down.shape[0]), codes(derivative_bits), codes(bits), scales(), codes(bits), scales()
+
+
+def _empty(like: torch.Tensor) -> torch.Tensor:
+    """A fresh empty tensor for a gradient that is not computed (a custom op's outputs may not alias each other)."""
+    return like.new_empty(0)
+
+
+@torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())
+def _backward_op(
+    grad: torch.Tensor,
+    x_packed: torch.Tensor,
+    x_scales: torch.Tensor,
+    derivative: torch.Tensor,
+    levels: torch.Tensor,
+    a_packed: torch.Tensor,
+    a_scales: torch.Tensor,
+    up_packed: torch.Tensor,
+    up_scales: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    derivative_bits: int,
+    bits: int,
+    group_size: int,
+    input_grad: bool,
+    weight_grad: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, dW_gate, db_gate, dW_up, db_up, dW_down, db_down) for a 2-D grad; dx is empty unless ``input_grad``, the
+    gate and up weight gradients empty unless ``weight_grad``, dW_up and db_up empty in the fused layout."""
+    hidden, width, dtype = w_gate.shape[1], w_down.shape[1], grad.dtype
+    fused = w_up is None
+    a = dequantize_groups(a_packed, a_scales, width, bits, group_size, dtype)
+    up = dequantize_groups(up_packed, up_scales, width, bits, group_size, dtype)
+    grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
+    grad_b_down = grad.sum(0)
+    grad_h = grad.mm(w_down)
+    grad_up = grad_h * a
+    del a
+    grad_gate = scale(grad_h * up, derivative, levels, derivative_bits)  # act'(gate) ~ levels[code]
+    del up, grad_h
+    if fused:
+        grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
+        grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
+        if not weight_grad:
+            return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+        x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+        return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+    grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else _empty(grad)
+    if not weight_grad:
+        return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+    x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+    return (
+        grad_x,
+        grad_gate.t().mm(x),
+        grad_gate.sum(0),
+        grad_up.t().mm(x),
+        grad_up.sum(0),
+        grad_w_down,
+        grad_b_down,
+    )
+
+
+@_backward_op.register_fake
+def _(grad, x_packed, x_scales, derivative, levels, a_packed, a_scales, up_packed, up_scales, w_gate, w_up, w_down,
+      derivative_bits, bits, group_size, input_grad, weight_grad):  # fmt: skip
+    rows = grad.shape[0]
+    grad_x = grad.new_empty(rows, w_gate.shape[1]) if input_grad else _empty(grad)
+    grad_w_down, grad_b_down = grad.new_empty(w_down.shape), grad.new_empty(w_down.shape[0])
+    if not weight_grad:
+        return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+    grad_w_gate, grad_b_gate = grad.new_empty(w_gate.shape), grad.new_empty(w_gate.shape[0])
+    if w_up is None:
+        return grad_x, grad_w_gate, grad_b_gate, _empty(grad), _empty(grad), grad_w_down, grad_b_down
+    grad_w_up, grad_b_up = grad.new_empty(w_up.shape), grad.new_empty(w_up.shape[0])
+    return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Autograd
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down = inputs[:7]
+    derivative_bits, bits, group_size = inputs[10:13]
+    x_packed, x_scales, levels32, levels64 = inputs[15:19]
+    _, derivative, a_packed, a_scales, up_packed, up_scales = output
+    ctx.set_materialize_grads(False)
+    ctx.save_for_backward(
+        x_packed, x_scales, derivative, levels32, levels64, a_packed, a_scales, up_packed, up_scales, w_gate, w_up,
+        w_down,
+    )  # fmt: skip
+    ctx.options = (derivative_bits, bits, group_size)
+    ctx.biases = (b_gate is not None, b_up is not None, b_down is not None)
+
+
+def _backward(ctx, grad, *_):
+    if torch.is_grad_enabled():
+        raise FewBitError(SECOND_ORDER_MESSAGE)
+    if grad is None:
+        return (None,) * 19
+    (
+        x_packed,
+        x_scales,
+        derivative,
+        levels32,
+        levels64,
+        a_packed,
+        a_scales,
+        up_packed,
+        up_scales,
+        w_gate,
+        w_up,
+        w_down,
+    ) = ctx.saved_tensors
+    levels = levels64 if grad.dtype == torch.float64 else levels32
+    needs = ctx.needs_input_grad
+    weight_grad = bool(needs[1] or needs[2] or needs[3] or needs[4])
+    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = (
+        torch.ops.fewbit.gated_mlp_compressed_backward(
+            grad.contiguous(),
+            x_packed,
+            x_scales,
+            derivative,
+            levels,
+            a_packed,
+            a_scales,
+            up_packed,
+            up_scales,
+            w_gate,
+            w_up,
+            w_down,
+            *ctx.options,
+            bool(needs[0]),
+            weight_grad,
+        )  # fmt: skip
+    )
+    has_b_gate, has_b_up, has_b_down = ctx.biases
+    return (
+        grad_x if needs[0] else None,
+        grad_w_gate if needs[1] else None,
+        grad_b_gate if has_b_gate and needs[2] else None,
+        grad_w_up if w_up is not None and needs[3] else None,
+        grad_b_up if has_b_up and needs[4] else None,
+        grad_w_down if needs[5] else None,
+        grad_b_down if has_b_down and needs[6] else None,
+        *(None,) * 12,
+    )
+
+
+torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Entry point
+
+
+def gated_mlp_compressed(
+    x: torch.Tensor,
+    w_gate: torch.Tensor,
+    b_gate: torch.Tensor | None,
+    w_up: torch.Tensor | None,
+    b_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    b_down: torch.Tensor | None,
+    activation: str,
+    tensors: TableTensors,
+    *,
+    bits: int = 8,
+    group_size: int = GROUP_SIZE,
+    rounding: str = "stochastic",
+) -> torch.Tensor:
+    """``down(act(gate(x)) * up(x))`` for x of shape (..., H), bitwise the exact op's output, keeping few-bit codes
+    of act'(gate) (the table in ``tensors``, one for ``activation``'s derivative) and ``bits``-bit group codes of x,
+    a and up for backward (module docstring). Arguments as :func:`~.ops.gated_mlp`."""
+    bits, group_size, rounding = check_options(bits, group_size, rounding)
+    weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
+    x, weights = prepare_inputs(x, weights, activation)
+    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    stochastic = rounding == "stochastic"
+    with torch.autocast(x.device.type, enabled=False):
+        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights))):
+            y = gated_mlp_reference(rows, *weights, activation)  # nothing to save
+            return y.reshape(*leading, y.shape[-1])
+        w_gate, b_gate, w_up, b_up = weights[:4]
+        if any(t is not None and t.requires_grad for t in (w_gate, b_gate, w_up, b_up)):
+            x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a compressed linear
+        else:  # no gate or up weight gradient: x is not needed
+            x_packed, x_scales = rows.new_empty(0, dtype=torch.uint8), rows.new_empty(0, 0, 2, dtype=torch.float32)
+        boundaries, _ = tensors.for_input(x.dtype)
+        # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
+        seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+        y, *_ = torch.ops.fewbit.gated_mlp_compressed(
+            rows, *weights, activation, boundaries, tensors.interval_codes, tensors.bits, bits, group_size,
+            stochastic, seed, x_packed, x_scales, tensors.levels32, tensors.levels64,
+        )  # fmt: skip
+    return y.reshape(*leading, y.shape[-1])

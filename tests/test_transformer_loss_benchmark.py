@@ -1,0 +1,34 @@
+"""benchmarks/transformer_loss.py --quick (the smoke test of the loss runs of issue 25 item 6): every variant trains,
+the ratios are against the native run of the same seed, and the converted models keep fewer bytes for backward."""
+
+import csv
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "transformer_loss.py"
+
+
+def test_quick_run_writes_ratios_against_native(tmp_path):
+    spec = importlib.util.spec_from_file_location("transformer_loss", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "loss.csv"
+    module.main(["--quick", "--models", "llama", "--jobs", "1", "--out", str(out)])
+    rows = list(csv.DictReader(open(tmp_path / "loss-quick.csv")))
+    assert [row["variant"] for row in rows] == ["native", "exact", "compressed8", "compressed4"]
+    ratios = {
+        row["variant"]: {key: float(value) for key, value in row.items() if key.endswith("_ratio")} for row in rows
+    }
+    assert ratios["native"]["held_out_loss_ratio"] == 1.0
+    assert all(
+        math.isfinite(r["held_out_loss_ratio"]) and abs(r["held_out_loss_ratio"] - 1) < 0.05 for r in ratios.values()
+    )
+    # exact modes: the gradient at initialisation is native's (float32 rounding); compressed: fewer bytes still
+    assert float(rows[1]["grad_rel_error"]) < 1e-5
+    saved = [ratios[variant]["saved_bytes_ratio"] for variant in ("native", "exact", "compressed8", "compressed4")]
+    assert saved == sorted(saved, reverse=True) and saved[1] < 1
