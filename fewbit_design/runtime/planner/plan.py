@@ -519,7 +519,7 @@ def plan_memory(
     chain: str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     offload_min_bytes: int = 1 << 20,
-    offload_pack_bytes: int = 1 << 20,
+    offload_pack_bytes: int = 0,
     offload_target: str = "auto",
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
@@ -551,7 +551,10 @@ def plan_memory(
             floating-point tensor).
         offload_min_bytes: saved tensors smaller than this stay in memory (offload's ``min_bytes``).
         offload_pack_bytes: saved tensors from ``offload_min_bytes`` up to this go out packed, one transfer per
-            block (offload's ``pack_bytes``): with ``offload_min_bytes=0`` size is no floor.
+            block (offload's ``pack_bytes``): with ``offload_min_bytes=0, offload_pack_bytes=1 << 20`` size is no
+            floor and small tensors cost one transfer per block instead of one each. Default 0 (no packing): a
+            packed block keeps its small tensors until it returns (its forward peak is the plain one), so where
+            memory matters more than time per-tensor transfers (``offload_min_bytes=0`` alone) can plan lower.
         offload_target: offload's ``target``; offloading runs with ``prefetch=0`` (synchronous: the tensor leaves
             memory when it is saved, so the prediction holds).
         repeats: timed runs per measurement (median).

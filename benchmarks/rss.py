@@ -1,0 +1,146 @@
+"""Process RSS beside live tensor bytes (issue 26, item 6): a planned GPT-2 training step, on CPU.
+
+For each variant, in a fresh process of its own (RSS depends on what the process did before), a small GPT-2
+(``benchmarks/planner.py``'s model) is planned at its smallest feasible peak, the plan applied, ``--warmup``
+steps run, and then ``--steps`` steps measured one by one under ``memory.peak``: ``live`` is the peak of live
+tensor bytes the step allocated (what the planner predicts), ``rss`` the process's peak RSS during the step above
+its RSS before it (``memory.peak``'s ``rss_peak_bytes``, Linux), and ``rss_total`` the peak RSS of the step above
+the RSS of the process before the model was built (what ``top`` shows the step costing). Variants:
+
+* ``unconverted``: no plan;
+* ``exact``: checkpointing and offloading (exact gradients), offload packing small tensors (``pack_bytes``);
+* ``exact-unpooled``: the same with offload's staging buffers freed after every step (what a fresh allocation
+  per step costs: the "before" of the staging pool);
+* ``fewbit``: the plan may use few-bit and BLPA too.
+
+Prints per variant the medians over steps and the ratios against ``unconverted``; writes a CSV. ``--quick`` runs a
+dry run in seconds (tiny model, one step); the full mode is the CPU default shape. The machine may be loaded: RSS
+is not a timing, but allocator behaviour under other processes' pressure is not controlled either.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path[:0] = [str(HERE.parent), str(HERE)]
+
+import harness  # noqa: E402
+
+VARIANTS = ("unconverted", "exact", "exact-unpooled", "fewbit")
+MIB = 2.0**20
+
+
+def _status_bytes(name: str) -> int:
+    with open("/proc/self/status", encoding="ascii") as status:
+        for line in status:
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {name} in /proc/self/status")
+
+
+def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
+    import torch
+
+    torch.set_num_threads(1)
+    from planner import GPT2_SHAPES, gpt2
+
+    from fewbit_design.runtime import memory, planner
+    from fewbit_design.runtime.offload import session
+
+    torch.randn(8).sum()  # the first use of torch (its one-time allocations are not the step's)
+    rss_before_model = _status_bytes("VmRSS")
+    _, _, _, context, batch = GPT2_SHAPES[shape]
+    ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(1))
+    model = gpt2(0, shape)
+    if variant != "unconverted":
+        allow = ("checkpoint", "offload") if variant.startswith("exact") else planner.TECHNIQUES
+        plan = planner.plan_memory(
+            model,
+            ids,
+            objective="memory",
+            allow=allow,
+            approximate="allowed",
+            offload_min_bytes=0,
+            offload_pack_bytes=1 << 20,
+            repeats=1,
+        )
+        model = plan.apply(gpt2(0, shape))
+    if variant == "exact-unpooled":
+        release = session.Staging.release
+
+        def release_and_free(self, lease):  # the buffer is dropped: the next step allocates a fresh one
+            release(self, lease)
+            self.trim()
+
+        session.Staging.release = release_and_free
+    parameters = list(model.parameters())
+
+    def step():
+        for parameter in parameters:
+            parameter.grad = None
+        model(ids).backward()
+
+    for _ in range(warmup):
+        step()
+    rows = []
+    for _ in range(steps):
+        with memory.peak(model, ids) as measured:
+            step()
+        rows.append(
+            {
+                "live": measured.peak_bytes,
+                "rss": measured.rss_peak_bytes,
+                "rss_total": _status_bytes("VmHWM") - rss_before_model,
+            }
+        )
+    return {"variant": variant, "steps": rows}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a dry run in seconds (tiny model, one step)")
+    parser.add_argument("--steps", type=int, default=None, help="measured steps per variant (default 5; quick 1)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
+    harness.add_options(parser, out=None)
+    args = parser.parse_args()
+    shape = "tiny" if args.quick else "small"
+    steps = args.steps or (1 if args.quick else 5)
+    if args.child is not None:
+        print(json.dumps(child(args.child, shape, args.warmup, steps)))
+        return
+    out = args.out or (harness.scratch("rss.csv") if args.quick else harness.RESULTS / "rss.csv")
+    results = {}
+    for variant in VARIANTS:  # one process each: RSS depends on the process's history
+        command = [sys.executable, __file__, "--child", variant, "--steps", str(steps), "--warmup", str(args.warmup)]
+        command += ["--quick"] if args.quick else []
+        output = subprocess.run(command, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
+        results[variant] = json.loads(output.strip().splitlines()[-1])["steps"]
+    rows = []
+    base = {key: statistics.median(r[key] for r in results["unconverted"]) for key in ("live", "rss", "rss_total")}
+    print(f"rss: GPT-2 shape {shape}, {steps} measured steps after {args.warmup} warm-up steps, medians")
+    print(f"{'variant':<16} {'live MiB':>9} {'rss MiB':>9} {'rss_total MiB':>14} {'live x':>7} {'rss x':>7}")
+    for variant, steps_measured in results.items():
+        row = {"variant": variant, "shape": shape}
+        for key in ("live", "rss", "rss_total"):
+            row[key + "_bytes"] = statistics.median(r[key] for r in steps_measured)
+        row["live_reduction"] = base["live"] / max(row["live_bytes"], 1)
+        row["rss_reduction"] = base["rss_total"] / max(row["rss_total_bytes"], 1)
+        rows.append(row)
+        print(
+            f"{variant:<16} {row['live_bytes'] / MIB:9.2f} {row['rss_bytes'] / MIB:9.2f} "
+            f"{row['rss_total_bytes'] / MIB:14.2f} {row['live_reduction']:7.2f} {row['rss_reduction']:7.2f}"
+        )
+    harness.write_csv(out, rows, float_format=".6g")
+    print(f"written to {out}")
+
+
+if __name__ == "__main__":
+    main()
