@@ -4,10 +4,12 @@ For each variant, in a fresh process of its own (RSS depends on what the process
 (``benchmarks/planner.py``'s model) is planned at its smallest feasible peak, the plan applied, ``--warmup``
 steps run, and then ``--steps`` steps measured one by one under ``memory.peak``: ``live`` is the peak of live
 tensor bytes the step allocated (what the planner predicts), ``rss`` the process's peak RSS during the step above
-its RSS before it (``memory.peak``'s ``rss_peak_bytes``, Linux), and ``rss_total`` the peak RSS of the step above
-the RSS of the process before the model was built (what ``top`` shows the step costing). Variants:
+its RSS before it (``memory.peak``'s ``rss_peak_bytes``, Linux: with the allocator's cache warm from the steps
+before), and ``rss_total`` the process's peak RSS over all the steps (warm-up included) above its RSS just before
+the first step, after planning (its garbage collected and returned to the system with glibc's ``malloc_trim``):
+what training costs the process beyond the model, the plan and the code. Variants:
 
-* ``unconverted``: no plan;
+* ``unconverted``: no plan (planned all the same, so that every process ran the same profiling first);
 * ``exact``: checkpointing and offloading (exact gradients), offload packing small tensors (``pack_bytes``);
 * ``exact-unpooled``: the same with offload's staging buffers freed after every step (what a fresh allocation
   per step costs: the "before" of the staging pool);
@@ -21,6 +23,8 @@ is not a timing, but allocator behaviour under other processes' pressure is not 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import gc
 import json
 import os
 import statistics
@@ -54,23 +58,21 @@ def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
     from fewbit_design.runtime import memory, planner
     from fewbit_design.runtime.offload import session
 
-    torch.randn(8).sum()  # the first use of torch (its one-time allocations are not the step's)
-    rss_before_model = _status_bytes("VmRSS")
     _, _, _, context, batch = GPT2_SHAPES[shape]
     ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(1))
     model = gpt2(0, shape)
+    allow = ("checkpoint", "offload") if variant != "fewbit" else planner.TECHNIQUES
+    plan = planner.plan_memory(  # (unconverted too: profiling warms the process the same way; its plan is unused)
+        model,
+        ids,
+        objective="memory",
+        allow=allow,
+        approximate="allowed",
+        offload_min_bytes=0,
+        offload_pack_bytes=1 << 20,
+        repeats=1,
+    )
     if variant != "unconverted":
-        allow = ("checkpoint", "offload") if variant.startswith("exact") else planner.TECHNIQUES
-        plan = planner.plan_memory(
-            model,
-            ids,
-            objective="memory",
-            allow=allow,
-            approximate="allowed",
-            offload_min_bytes=0,
-            offload_pack_bytes=1 << 20,
-            repeats=1,
-        )
         model = plan.apply(gpt2(0, shape))
     if variant == "exact-unpooled":
         release = session.Staging.release
@@ -81,6 +83,11 @@ def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
 
         session.Staging.release = release_and_free
     parameters = list(model.parameters())
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # what planning freed goes back to the system
+    with open("/proc/self/clear_refs", "w", encoding="ascii") as clear_refs:
+        clear_refs.write("5")  # the high-water mark restarts from here
+    rss_before_steps = _status_bytes("VmRSS")
 
     def step():
         for parameter in parameters:
@@ -89,17 +96,15 @@ def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
 
     for _ in range(warmup):
         step()
-    rows = []
+    rows, high = [], 0
     for _ in range(steps):
+        high = max(high, _status_bytes("VmHWM"))  # (memory.peak resets the mark at entry: read it first)
         with memory.peak(model, ids) as measured:
             step()
-        rows.append(
-            {
-                "live": measured.peak_bytes,
-                "rss": measured.rss_peak_bytes,
-                "rss_total": _status_bytes("VmHWM") - rss_before_model,
-            }
-        )
+        high = max(high, _status_bytes("VmHWM"))
+        rows.append({"live": measured.peak_bytes, "rss": measured.rss_peak_bytes})
+    for row in rows:
+        row["rss_total"] = high - rss_before_steps
     return {"variant": variant, "steps": rows}
 
 
