@@ -13,9 +13,15 @@ what training costs the process beyond the model, the plan and the code. Variant
 * ``exact``: checkpointing and offloading (exact gradients), offload packing small tensors (``pack_bytes``);
 * ``exact-unpooled``: the same with offload's staging buffers freed after every step (what a fresh allocation
   per step costs: the "before" of the staging pool);
-* ``fewbit``: the plan may use few-bit and BLPA too.
+* ``fewbit``: the plan may use few-bit and BLPA too;
+* ``unconverted+mmap``, ``exact+mmap``: the same, with glibc told to serve blocks from 64 KiB up with their own
+  mappings and to give freed memory back at once (``MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0``), so that
+  RSS follows the live bytes; ``seconds`` shows what that costs in step time (page faults).
 
-Prints per variant the medians over steps and the ratios against ``unconverted``; writes a CSV. ``--quick`` runs a
+Each child also times ``--steps`` steps without the instrument (``seconds``, wall clock, one torch thread). The
+variants run in turn, ``--rounds`` times (A B C ... A B C ...), and the step-time ratio is the median over rounds of
+the ratio against ``unconverted`` of the same round. Prints per variant the medians over steps and the ratios
+against ``unconverted``; writes a CSV. ``--quick`` runs a
 dry run in seconds (tiny model, one step); the full mode is the CPU default shape. The machine may be loaded: RSS
 is not a timing, but allocator behaviour under other processes' pressure is not controlled either.
 """
@@ -37,7 +43,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 
 import harness  # noqa: E402
 
-VARIANTS = ("unconverted", "exact", "exact-unpooled", "fewbit")
+VARIANTS = ("unconverted", "exact", "exact-unpooled", "fewbit", "unconverted+mmap", "exact+mmap")
+MMAP_ENVIRONMENT = {"MALLOC_MMAP_THRESHOLD_": "65536", "MALLOC_TRIM_THRESHOLD_": "0"}
 MIB = 2.0**20
 
 
@@ -50,6 +57,8 @@ def _status_bytes(name: str) -> int:
 
 
 def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
+    import time
+
     import torch
 
     torch.set_num_threads(1)
@@ -61,6 +70,7 @@ def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
     _, _, _, context, batch = GPT2_SHAPES[shape]
     ids = torch.randint(0, 256, (batch, context), generator=torch.Generator().manual_seed(1))
     model = gpt2(0, shape)
+    variant = variant.split("+")[0]  # (+mmap: the environment differs, not the code)
     allow = ("checkpoint", "offload") if variant != "fewbit" else planner.TECHNIQUES
     plan = planner.plan_memory(  # (unconverted too: profiling warms the process the same way; its plan is unused)
         model,
@@ -105,6 +115,10 @@ def child(variant: str, shape: str, warmup: int, steps: int) -> dict:
         rows.append({"live": measured.peak_bytes, "rss": measured.rss_peak_bytes})
     for row in rows:
         row["rss_total"] = high - rss_before_steps
+    for row in rows:
+        start = time.perf_counter()
+        step()
+        row["seconds"] = time.perf_counter() - start
     return {"variant": variant, "steps": rows}
 
 
@@ -113,6 +127,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="a dry run in seconds (tiny model, one step)")
     parser.add_argument("--steps", type=int, default=None, help="measured steps per variant (default 5; quick 1)")
     parser.add_argument("--warmup", type=int, default=2, help="steps run before measuring")
+    parser.add_argument("--rounds", type=int, default=None, help="rounds over the variants (default 3; quick 1)")
     parser.add_argument("--child", default=None, help=argparse.SUPPRESS)
     harness.add_options(parser, out=None)
     args = parser.parse_args()
@@ -122,26 +137,41 @@ def main() -> None:
         print(json.dumps(child(args.child, shape, args.warmup, steps)))
         return
     out = args.out or (harness.scratch("rss.csv") if args.quick else harness.RESULTS / "rss.csv")
-    results = {}
-    for variant in VARIANTS:  # one process each: RSS depends on the process's history
-        command = [sys.executable, __file__, "--child", variant, "--steps", str(steps), "--warmup", str(args.warmup)]
-        command += ["--quick"] if args.quick else []
-        output = subprocess.run(command, check=True, capture_output=True, text=True, env=dict(os.environ)).stdout
-        results[variant] = json.loads(output.strip().splitlines()[-1])["steps"]
+    rounds = args.rounds or (1 if args.quick else 3)
+    results: dict[str, list[dict]] = {variant: [] for variant in VARIANTS}
+    time_ratios: dict[str, list[float]] = {variant: [] for variant in VARIANTS}
+    for _ in range(rounds):
+        seconds = {}
+        for variant in VARIANTS:  # one process each: RSS depends on the process's history
+            command = [sys.executable, __file__, "--child", variant, "--steps", str(steps)]
+            command += ["--warmup", str(args.warmup)] + (["--quick"] if args.quick else [])
+            environment = {**os.environ, **(MMAP_ENVIRONMENT if variant.endswith("+mmap") else {})}
+            output = subprocess.run(command, check=True, capture_output=True, text=True, env=environment).stdout
+            measured = json.loads(output.strip().splitlines()[-1])["steps"]
+            results[variant] += measured
+            seconds[variant] = statistics.median(r["seconds"] for r in measured)
+        for variant in VARIANTS:
+            time_ratios[variant].append(seconds[variant] / seconds["unconverted"])
     rows = []
-    base = {key: statistics.median(r[key] for r in results["unconverted"]) for key in ("live", "rss", "rss_total")}
-    print(f"rss: GPT-2 shape {shape}, {steps} measured steps after {args.warmup} warm-up steps, medians")
-    print(f"{'variant':<16} {'live MiB':>9} {'rss MiB':>9} {'rss_total MiB':>14} {'live x':>7} {'rss x':>7}")
+    keys = ("live", "rss", "rss_total", "seconds")
+    base = {key: statistics.median(r[key] for r in results["unconverted"]) for key in keys}
+    print(f"rss: GPT-2 shape {shape}, {rounds} rounds of {steps} steps after {args.warmup} warm-up steps, medians")
+    print(
+        f"{'variant':<18} {'live MiB':>9} {'rss MiB':>8} {'rss_total MiB':>14} {'live x':>7} {'rss x':>7} {'time x':>7}"
+    )
     for variant, steps_measured in results.items():
         row = {"variant": variant, "shape": shape}
-        for key in ("live", "rss", "rss_total"):
-            row[key + "_bytes"] = statistics.median(r[key] for r in steps_measured)
+        for key in keys:
+            row[key + ("" if key == "seconds" else "_bytes")] = statistics.median(r[key] for r in steps_measured)
         row["live_reduction"] = base["live"] / max(row["live_bytes"], 1)
         row["rss_reduction"] = base["rss_total"] / max(row["rss_total_bytes"], 1)
+        row["time_ratio"] = statistics.median(time_ratios[variant])
+        row["time_ratio_min"], row["time_ratio_max"] = min(time_ratios[variant]), max(time_ratios[variant])
         rows.append(row)
         print(
-            f"{variant:<16} {row['live_bytes'] / MIB:9.2f} {row['rss_bytes'] / MIB:9.2f} "
-            f"{row['rss_total_bytes'] / MIB:14.2f} {row['live_reduction']:7.2f} {row['rss_reduction']:7.2f}"
+            f"{variant:<18} {row['live_bytes'] / MIB:9.2f} {row['rss_bytes'] / MIB:8.2f} "
+            f"{row['rss_total_bytes'] / MIB:14.2f} {row['live_reduction']:7.2f} {row['rss_reduction']:7.2f} "
+            f"{row['time_ratio']:7.2f}"
         )
     harness.write_csv(out, rows, float_format=".6g")
     print(f"written to {out}")
