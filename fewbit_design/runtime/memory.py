@@ -23,6 +23,15 @@ lost; the queue is read at the next operator and whenever ``live_bytes`` is read
 total of such storages alive at once, measured after each operator: the bytes allocated inside the region above
 what was alive at entry. Memory an operator uses only while it runs (scratch space of a kernel) is not seen.
 
+Beside it, :func:`peak` reports the process's view on Linux: ``rss_peak_bytes``, the peak resident set size
+(RSS) during the block above the RSS at entry. The kernel's high-water mark ``VmHWM`` (``/proc/self/status``) is
+reset to the current RSS at entry by writing ``5`` to ``/proc/self/clear_refs`` (Linux 4.0 and later; nested
+blocks fold the mark into the blocks around them before resetting it). It is larger than ``peak_bytes``: the
+allocator keeps freed memory for reuse instead of returning it to the system (glibc's heap and arenas below its
+mmap threshold; PyTorch's CUDA caching allocator on GPUs), pages touched once stay resident until unmapped, and
+it counts what is not a tensor (Python objects, code, thread stacks, I/O buffers). It is ``None`` where the
+system has no resettable mark (not Linux, or ``clear_refs`` not writable).
+
 >>> with memory.peak() as p:
 ...     y = (x * 2).sum()
 >>> p.peak_bytes                       # x * 2 (4000 bytes) and the sum (4 bytes) are alive together
@@ -227,6 +236,8 @@ class Peak:
         timeline: ``(operator name, live bytes after it)`` for each operator, when asked for (for plots).
         cuda_peak_bytes: on CUDA, ``torch.cuda.max_memory_allocated()`` minus the allocated bytes at entry (the
             allocator's view, with caching and scratch space); ``None`` where CUDA is not in use.
+        rss_peak_bytes: the process's peak resident set size during the block minus its RSS at entry (Linux; see
+            the module docstring for why it exceeds ``peak_bytes``); ``None`` where it cannot be measured.
     """
 
     peak_bytes: int = 0
@@ -234,6 +245,7 @@ class Peak:
     allocated_bytes: int = 0
     timeline: list[tuple[str, int]] | None = None
     cuda_peak_bytes: int | None = None
+    rss_peak_bytes: int | None = None
     _live_bytes: int = field(default=0, repr=False)
     _collect: Callable[[], None] | None = field(default=None, repr=False, compare=False)
 
@@ -328,6 +340,56 @@ class _PeakMode(TorchDispatchMode):
         return out
 
 
+_STATUS = "/proc/self/status"
+_CLEAR_REFS = "/proc/self/clear_refs"
+_RSS_OPEN: list[list[int]] = []  # [rss at entry, highest mark seen] of the blocks measuring RSS, outermost first
+
+
+def _status_bytes(field_name: str) -> int | None:
+    """A ``kB`` field of ``/proc/self/status`` in bytes, or None (not Linux, or no such field)."""
+    try:
+        with open(_STATUS, encoding="ascii") as status:
+            for line in status:
+                if line.startswith(field_name + ":"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        return None
+    return None
+
+
+def _fold_rss_mark() -> None:
+    """Fold the kernel's high-water mark into every open block (before a reset, and at each exit)."""
+    mark = _status_bytes("VmHWM")
+    if mark is not None:
+        for entry in _RSS_OPEN:
+            entry[1] = max(entry[1], mark)
+
+
+def _start_rss() -> list[int] | None:
+    """Reset the high-water mark to the current RSS and open a block; None where that is not possible."""
+    _fold_rss_mark()
+    try:
+        with open(_CLEAR_REFS, "w", encoding="ascii") as clear_refs:
+            clear_refs.write("5")
+    except OSError:
+        return None
+    rss = _status_bytes("VmRSS")
+    if rss is None:
+        return None
+    entry = [rss, rss]
+    _RSS_OPEN.append(entry)
+    return entry
+
+
+def _finish_rss(entry: list[int]) -> int:
+    _fold_rss_mark()
+    for index in range(len(_RSS_OPEN) - 1, -1, -1):
+        if _RSS_OPEN[index] is entry:
+            del _RSS_OPEN[index]
+            break
+    return max(entry[1] - entry[0], 0)
+
+
 def _storage_or_none(tensor: torch.Tensor) -> torch.UntypedStorage | None:
     try:
         return tensor.untyped_storage()
@@ -380,11 +442,14 @@ def _peak(alive: tuple[torch.Tensor | torch.nn.Module, ...], timeline: bool) -> 
         torch.cuda.reset_peak_memory_stats()
         cuda_entry = torch.cuda.memory_allocated()
     mode = _PeakMode(result)
+    rss = _start_rss()
     try:
         with mode:
             yield result
     finally:
         mode.close()
+        if rss is not None:
+            result.rss_peak_bytes = _finish_rss(rss)
         if use_cuda:
             torch.cuda.synchronize()
             result.cuda_peak_bytes = int(torch.cuda.max_memory_allocated() - cuda_entry)

@@ -22,7 +22,9 @@ the project's errors, and its own modules; never scipy, matplotlib, numba or the
 
 Targets: ``"disk"`` (CPU tensors), ``"cuda-host"`` (CUDA tensors, pinned host memory), ``"auto"`` (each tensor
 to the target of its device). Tensors smaller than ``min_bytes``, parameters, leaf tensors that require grad and
-views of them stay where they are; so do tensors past the ``max_host_bytes`` cap.
+views of them stay where they are; so do tensors past the ``max_host_bytes`` cap. Tensors smaller than
+``pack_bytes`` are packed: those of one block (a ``with`` block, or one call of a module under ``apply``) go out in
+one transfer through a reused staging buffer, so their size is no floor (``stats.transfers`` counts transfers).
 """
 
 from .cost import Cost, cost

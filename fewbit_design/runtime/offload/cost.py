@@ -1,6 +1,7 @@
 """The cost model the planner reads: bytes an offload saves and the time it may add (pure Python).
 
-Offloading moves every saved byte twice (out in forward, back in backward) and pays a fixed cost per tensor.
+Offloading moves every saved byte twice (out in forward, back in backward) and pays a fixed cost per transfer: one
+per tensor, or one per block for the small tensors packed together (``pack_bytes``; pass ``tensors=`` transfers).
 Transfers overlap with compute, so with ``compute_seconds`` (forward + backward time of the region) only the part
 that compute cannot hide is charged; without it the estimate is the upper bound (nothing hidden). On CPU the
 copies into and out of the page cache are CPU work beside the compute; overlap hides their latency, not always

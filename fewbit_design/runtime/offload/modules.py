@@ -123,6 +123,7 @@ class OffloadHandle:
                 else:
                     module.forward = wrapper.forward
         self._modules = []
+        self._offloader.options.staging.trim()  # the staging buffers kept for the next step
 
 
 def _select(model: torch.nn.Module, modules: Any) -> list[torch.nn.Module]:
@@ -162,9 +163,11 @@ def apply(
     prefetch: int = 2,
     max_host_bytes: int | None = None,
     directory: str | os.PathLike | None = None,
+    pack_bytes: int = 0,
 ) -> OffloadHandle:
     """Offload what the chosen modules save for backward, every time they run; the model's parameters and buffers
-    stay. Options as in :func:`saved_tensors`; the folder is probed once here and at each step.
+    stay. Options as in :func:`saved_tensors`; the folder is probed once here and at each step. With ``pack_bytes``
+    each call of a chosen module is a block: the small tensors it saves go out in one transfer when it returns.
 
     Args:
         model: the model; changed in place (each chosen module's ``forward`` is wrapped).
@@ -180,7 +183,7 @@ def apply(
     1
     >>> handle.remove()
     """
-    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory)
+    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes)
     if options.target == "disk" or (options.target == "auto" and not torch.cuda.is_available()):
         options.probe()  # a bad folder fails now, before training starts
     offloader = _ModuleOffloader(options, model)

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
-from .session import Session, Stats, close_freed, pop_stats, push_stats
+from .session import Session, Staging, Stats, close_freed, pop_stats, push_stats
 
 __all__ = ["saved_tensors", "empty_cache", "TARGETS", "DEFAULT_MIN_BYTES"]
 
@@ -38,9 +38,12 @@ class _Options:
         prefetch: int,
         max_host_bytes: int | None,
         directory: str | os.PathLike | None,
+        pack_bytes: int = 0,
     ) -> None:
         self.target = check_choice("offload target", target, TARGETS)
         self.min_bytes = _check_count("min_bytes", min_bytes)
+        self.pack_bytes = _check_count("pack_bytes", pack_bytes)
+        self.staging = Staging()  # reused across the steps of these options (an apply(), a saved_tensors() block)
         self.prefetch = _check_count("prefetch", prefetch)
         self.max_host_bytes = _check_count("max_host_bytes", max_host_bytes, allow_none=True)
         if directory is not None and not isinstance(directory, str | os.PathLike):
@@ -48,6 +51,14 @@ class _Options:
         self.directory = directory
         if target == "cuda-host" and not torch.cuda.is_available():
             raise FewBitError("offload target 'cuda-host' needs CUDA, but torch.cuda.is_available() is False")
+
+    def __getstate__(self) -> dict[str, Any]:  # (pickled with an offloaded model: the buffers are not kept)
+        return {k: v for k, v in self.__dict__.items() if k != "staging"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state)
+        self.pack_bytes = state.get("pack_bytes", 0)
+        self.staging = Staging()
 
     def make_target(self, device: torch.device) -> Any:
         if device.type == "cpu" and self.target in ("auto", "disk"):
@@ -83,6 +94,8 @@ class _Options:
             depth=self.prefetch,
             probe=self._probe_devices(),
             exclude=exclude,
+            pack_bytes=self.pack_bytes,
+            staging=self.staging,
         )
 
 
@@ -136,6 +149,12 @@ class _Region:
         if self._hooks is not None:
             self._hooks.__exit__(exc_type, exc, traceback)
             self._hooks = None
+        if exc_type is None:
+            try:
+                session.flush()  # the block's pack of small tensors: one transfer
+            except BaseException as error:
+                session.close(f"the offload region failed to write its small tensors ({type(error).__name__})")
+                raise
         if exc_type is not None:
             session.close(f"the offload region exited with {exc_type.__name__}: its saved tensors were discarded")
         elif not session.packed:  # nothing was saved inside: no backward will ever use the session
@@ -151,12 +170,18 @@ def saved_tensors(
     prefetch: int = 2,
     max_host_bytes: int | None = None,
     directory: str | os.PathLike | None = None,
+    pack_bytes: int = 0,
 ) -> _Region:
     """Offload the tensors that autograd saves inside the block; the ``with`` value is the step's :class:`Stats`.
 
     Args:
         target: ``"auto"`` (CUDA tensors to pinned host memory, CPU tensors to disk), ``"disk"`` or ``"cuda-host"``.
         min_bytes: tensors whose storage span is smaller stay where they are (default 1 MiB).
+        pack_bytes: tensors from ``min_bytes`` up to (not including) ``pack_bytes`` are **packed**: the small tensors
+            saved in one block go out together in one transfer, through one staging buffer, when the block ends
+            (or when the pack reaches ``pack_bytes``), and come back together when backward first needs one of
+            them; so the fixed cost of a transfer is paid once per block, and size is no floor (``min_bytes=0,
+            pack_bytes=1 << 20`` offloads everything). Default 0: no packing, each tensor is its own transfer.
         prefetch: transfers in flight in each direction: writes behind forward, reads ahead of backward. 0 makes
             every transfer synchronous (``save_on_cpu``-style).
         max_host_bytes: cap on the bytes one step holds in pinned memory (CUDA: a process-wide pool per cap) or in
@@ -174,7 +199,7 @@ def saved_tensors(
     Blocks nest: the innermost block offloads what is saved inside it; the stats of the blocks around it count it
     too. A block (the object) is entered once.
     """
-    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory)
+    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes)
     options.probe()
     return _Region(options=options)
 

@@ -24,6 +24,15 @@ hooks are installed; with hooks it would silently use the modified data, so this
 Backward (unpack): the tensor comes from memory while its write is in flight, else from a prefetched read, else
 from a synchronous read; then the ``depth`` records below it are prefetched (:mod:`.schedule`). A tensor saved
 by several nodes (a ReLU output that the next Linear saves too) is one record, read once per backward pass.
+
+Small tensors (``min_bytes <= size < pack_bytes``) are **packed**: instead of a transfer each (whose fixed cost,
+a thread hand-off and system calls, or stream and event calls, dominates for small sizes), they join the **pack**
+of the current block and stay in memory until it is **flushed**: when the block's region ends (one pack per block
+and step) or when the pack reaches ``pack_bytes``. A flush copies the members' bytes into one staging buffer
+(each member at a 64-byte aligned offset; on CPU from a pool of reused buffers, see :class:`Staging`), lets the
+members' storages go, and writes the buffer as one record (one transfer). In backward the first member unpacked
+reads the whole pack back (one transfer, prefetched like any record); every member is a view of that buffer,
+which is dropped once every member was served (it comes back for a second backward with ``retain_graph``).
 """
 
 from __future__ import annotations
@@ -47,13 +56,15 @@ __all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats", "storag
 
 @dataclass
 class Stats:
-    """What a step offloaded: ``tensors``/``bytes`` moved out, ``kept_tensors``/``kept_bytes`` left in place by the
-    cap (``max_host_bytes``); small tensors, parameters and leaves are not counted."""
+    """What a step offloaded: ``tensors``/``bytes`` moved out (packed small tensors included), ``kept_tensors``/
+    ``kept_bytes`` left in place by the cap (``max_host_bytes``), ``transfers`` the writes issued (one per large
+    tensor, one per pack of small ones); tensors under ``min_bytes``, parameters and leaves are not counted."""
 
     tensors: int = 0
     bytes: int = 0
     kept_tensors: int = 0
     kept_bytes: int = 0
+    transfers: int = 0
 
 
 class _Record:
@@ -86,6 +97,75 @@ class _Record:
         self.alias: torch.Tensor | None = None
         self.version = 0
         self.poisoned: str | None = None
+
+
+_ALIGN = 64  # byte alignment of a member inside a pack (any dtype's view of the staging bytes is aligned)
+
+
+class _Pack(_Record):
+    """A record whose bytes are the packed small tensors of one block. Before its flush ``members`` holds weak
+    references to its members (the tensors are still in memory); after it, ``kept`` holds the bytes read back
+    while members remain to be served (``remaining`` of ``uses``, all members' uses together)."""
+
+    __slots__ = ("members", "nbytes", "lease", "remaining")
+
+    def __init__(self, target: Any) -> None:
+        super().__init__(-1, target, Layout((0,), (1,), torch.uint8, 0, 1))
+        self.uses = 0
+        self.members: list[weakref.ref] = []
+        self.nbytes = 0  # bytes of the pack so far, members aligned
+        self.lease: Any = None  # the staging buffer's lease (CPU pool) while its write is in flight
+        self.remaining = 0
+
+
+class _Member:
+    """What pack returns for a packed small tensor: its pack, where its bytes lie in it, and (until the flush, or
+    for good when the cap kept the pack in memory) the tensor itself."""
+
+    __slots__ = ("pack", "offset", "layout", "uses", "alias", "version", "poisoned", "__weakref__")
+
+    def __init__(self, pack: _Pack, offset: int, layout: Layout, tensor: torch.Tensor) -> None:
+        self.pack = pack
+        self.offset = offset
+        self.layout = layout
+        self.uses = 1
+        self.alias: torch.Tensor | None = tensor.detach()
+        self.version = tensor._version
+        self.poisoned: str | None = None
+
+
+class Staging:
+    """Reused CPU staging buffers for packs (a pool keyed by size class, :class:`~.schedule.BufferPool`): a step
+    allocates no new staging memory once the previous step's buffers are idle. One per :func:`saved_tensors` block
+    or :func:`apply` (so its buffers go when the handle is removed or the model is freed); :meth:`trim` frees the
+    idle ones. CUDA packs are staged in device memory, which the caching allocator reuses already."""
+
+    def __init__(self) -> None:
+        self._pool = schedule.BufferPool(_allocate_host)
+
+    def acquire(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
+        """A 1-D uint8 buffer of ``nbytes`` on ``device`` and its lease (None off the CPU)."""
+        if device.type != "cpu":
+            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
+        lease = self._pool.acquire(nbytes)
+        assert lease is not None, "an uncapped pool always lends"
+        return lease.buffer[:nbytes], lease
+
+    def release(self, lease: Any) -> None:
+        if lease is not None:
+            self._pool.release(lease)
+
+    def trim(self) -> int:
+        """Free the idle buffers; return their bytes."""
+        return self._pool.trim()
+
+    @property
+    def held_bytes(self) -> int:
+        return self._pool.held_bytes
+
+
+def _allocate_host(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 class _RecordRef(weakref.ref):
@@ -195,6 +275,8 @@ class Session:
         depth: int,
         probe: tuple[torch.device, ...] = (),
         exclude: frozenset[int] = frozenset(),
+        pack_bytes: int = 0,
+        staging: Staging | None = None,
     ) -> None:
         close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
@@ -203,6 +285,9 @@ class Session:
         ref.targets = self._targets
         _OPEN_SESSIONS[id(ref)] = ref
         self.min_bytes = min_bytes
+        self.pack_bytes = pack_bytes
+        self._staging = staging if staging is not None else Staging()
+        self._pending: _Pack | None = None  # the pack being filled (flushed at the end of the block's region)
         self.depth = depth
         self.exclude = exclude
         self.stats = Stats()
@@ -223,12 +308,18 @@ class Session:
         """Close the targets now (file removed, transfers cancelled); later unpacks raise ``reason``."""
         if self._closed is None:
             self._closed = reason
-        for record in list(self._inflight):
+        self._pending = None
+        inflight = list(self._inflight)
+        for record in inflight:
             record.write = record.alias = None
         self._inflight.clear()
         for record in self._alive_records().values():
             record.fetch = record.kept = None
-        _close_targets(self._targets)
+        _close_targets(self._targets)  # (waits for the transfer running: staging buffers are idle after it)
+        for record in inflight:
+            if isinstance(record, _Pack):
+                self._staging.release(record.lease)
+                record.lease = None
 
     def _alive_records(self) -> dict[int, _Record]:
         """The records still alive by position (after releasing what the freed ones held in their target)."""
@@ -291,10 +382,15 @@ class Session:
             same, record = hit[0](), hit[1]()
             if same is not None and record is not None and record.poisoned is None:
                 record.uses += 1
+                if isinstance(record, _Member):
+                    record.pack.uses += 1
+                    record.pack.remaining += 1 if record.pack.kept is not None else 0
                 return record
         target = self._target_for(tensor.device)
         if target is None:
             return tensor
+        if layout.nbytes < self.pack_bytes:
+            return self._pack_small(tensor, layout, key, target)
         if target.bounded_writes:
             self._wait_writes(schedule.write_backlog(len(self._inflight), self.depth))
         record = _Record(self._count, target, layout)
@@ -305,26 +401,102 @@ class Session:
             return tensor
         record.location, record.write = location, job
         record.alias, record.version = tensor.detach(), tensor._version
-        self._inflight.append(record)
-        self._count += 1
-        ref = _RecordRef(record, self._freed_records.append)
-        ref.position, ref.target, ref.location = record.position, target, location
-        self._records[record.position] = ref
-        if len(self._seen) > 2 * len(self._records) + 64:
-            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
-        self._seen[key] = (weakref.ref(tensor), ref)
+        ref = self._register(record)
+        self._remember(key, tensor, ref)
         self._count_in_stats("tensors", "bytes", layout.nbytes)
+        self._count_transfer()
         self._reap()
         return record
 
-    def _count_in_stats(self, tensors: str, nbytes: str, size: int) -> None:
-        """Count one tensor of ``size`` bytes in this session's stats and in those of the regions around it."""
+    def _register(self, record: _Record) -> _RecordRef:
+        """Give a written record the next position and watch it (its target range is released when it dies)."""
+        record.position = self._count
+        self._inflight.append(record)
+        self._count += 1
+        ref = _RecordRef(record, self._freed_records.append)
+        ref.position, ref.target, ref.location = record.position, record.target, record.location
+        self._records[record.position] = ref
+        return ref
+
+    def _remember(self, key: tuple, tensor: torch.Tensor, ref: weakref.ref) -> None:
+        """Note that ``tensor`` (its storage span and version, ``key``) was packed as the object of ``ref``."""
+        if len(self._seen) > 2 * len(self._records) + 64:
+            self._seen = {k: v for k, v in self._seen.items() if v[0]() is not None and v[1]() is not None}
+        self._seen[key] = (weakref.ref(tensor), ref)
+
+    def _pack_small(self, tensor: torch.Tensor, layout: Layout, key: tuple, target: Any) -> _Member:
+        pack = self._pending
+        if pack is not None and pack.target is not target:  # (another device: each pack is one transfer)
+            self.flush()
+            pack = None
+        if pack is None:
+            pack = self._pending = _Pack(target)
+        member = _Member(pack, pack.nbytes, layout, tensor)
+        pack.members.append(weakref.ref(member))
+        pack.nbytes += -(-layout.nbytes // _ALIGN) * _ALIGN
+        pack.uses += 1
+        self._remember(key, tensor, weakref.ref(member))
+        if pack.nbytes >= self.pack_bytes:  # as large as a tensor that goes alone: no reason to wait longer
+            self.flush()
+        return member
+
+    def flush(self) -> None:
+        """Write the pack being filled as one transfer (the end of a block's region calls this)."""
+        pack, self._pending = self._pending, None
+        if pack is None or self._closed is not None:
+            return
+        members = [m for m in (ref() for ref in pack.members) if m is not None and m.alias is not None]
+        pack.members = []
+        if not members:  # every member already died (backward ran inside the block)
+            return
+        for member in members:
+            if member.alias._version != member.version:  # modified in place since it was saved
+                member.poisoned = _modified(member.layout)
+        size = max(m.offset + m.layout.nbytes for m in members)
+        pack.uses = sum(m.uses for m in members)  # (the dead members will never be served)
+        target = pack.target
+        if target.bounded_writes:
+            self._wait_writes(schedule.write_backlog(len(self._inflight), self.depth))
+        staging, lease = self._staging.acquire(size, members[0].alias.device)
+        with torch.no_grad():
+            for member in members:
+                if member.layout.nbytes:
+                    end = member.offset + member.layout.nbytes
+                    staging[member.offset : end].copy_(raw_bytes(member.alias, member.layout))
+        location, job = target.write(staging, sync=self.depth == 0)
+        count = len(members)
+        if location is None:  # the target is full (max_host_bytes): the members stay where they are
+            self._staging.release(lease)
+            self._count_in_stats("kept_tensors", "kept_bytes", sum(m.layout.nbytes for m in members), count)
+            return
+        pack.layout = Layout((size,), (1,), torch.uint8, size, 1)
+        pack.location, pack.write, pack.lease = location, job, lease
+        pack.alias, pack.version = staging, staging._version
+        for member in members:
+            member.alias = None  # the staging copy holds the bytes now: the members' storages can go
+        self._register(pack)
+        self._count_in_stats("tensors", "bytes", sum(m.layout.nbytes for m in members), count)
+        self._count_transfer()
+        self._reap()
+
+    def _all_stats(self) -> list[Stats]:
+        """This session's stats and those of the regions around it, each once."""
         counted: list[Stats] = []
         for stats in [self.stats, *getattr(_ACTIVE, "stats", ())]:
             if not any(stats is seen for seen in counted):
                 counted.append(stats)
-                setattr(stats, tensors, getattr(stats, tensors) + 1)
-                setattr(stats, nbytes, getattr(stats, nbytes) + size)
+        return counted
+
+    def _count_in_stats(self, tensors: str, nbytes: str, size: int, count: int = 1) -> None:
+        """Count ``count`` tensors of ``size`` bytes in all in this session's stats and those of the regions around
+        it."""
+        for stats in self._all_stats():
+            setattr(stats, tensors, getattr(stats, tensors) + count)
+            setattr(stats, nbytes, getattr(stats, nbytes) + size)
+
+    def _count_transfer(self) -> None:
+        for stats in self._all_stats():
+            stats.transfers += 1
 
     def _wait_writes(self, count: int) -> None:
         for record in list(self._inflight)[:count]:
@@ -341,6 +513,11 @@ class Session:
             self._inflight.popleft()
             job, alias = record.write, record.alias
             record.write = record.alias = None
+            if isinstance(record, _Pack) and record.lease is not None:
+                if not job.done:  # (not reachable: CPU staging goes to the disk target, whose writes are bounded)
+                    job.wait()
+                self._staging.release(record.lease)
+                record.lease = None
             if job.error is not None:
                 record.poisoned = record.target.describe_error(job.error, f"writing {record.layout.nbytes} bytes")
                 self.close(record.poisoned + "; the step's saved tensors are lost")
@@ -356,6 +533,8 @@ class Session:
             _queue_safe_point()
         if isinstance(packed, torch.Tensor):
             return packed
+        if isinstance(packed, _Member):
+            return self._unpack_member(packed)
         record: _Record = packed
         self._check_open()
         self.sealed = True
@@ -368,6 +547,31 @@ class Session:
         record.served += 1
         record.kept = tensor if record.served % record.uses else None
         self._prefetch(record.position)
+        return tensor
+
+    def _unpack_member(self, member: _Member) -> torch.Tensor:
+        self._check_open()
+        self.sealed = True
+        self._release_freed_records()
+        self._reap()
+        if member.poisoned is not None:
+            raise FewBitError(member.poisoned)
+        if member.alias is not None:  # not flushed yet (backward inside the block), or kept in memory by the cap
+            if member.alias._version != member.version:
+                raise FewBitError(_modified(member.layout))
+            return member.alias
+        pack = member.pack
+        if pack.kept is None:
+            if pack.write is not None:  # still being written: a copy (the staging buffer goes back to its pool)
+                pack.kept = _raw_of(pack).clone()
+            else:
+                pack.kept = self._materialize(pack)
+            pack.remaining = pack.uses
+        tensor = restore(pack.kept[member.offset : member.offset + member.layout.nbytes], member.layout)
+        pack.remaining -= 1
+        if pack.remaining <= 0:  # every member served: the views hold the bytes as long as autograd needs them
+            pack.kept = None
+        self._prefetch(pack.position)
         return tensor
 
     def _materialize(self, record: _Record) -> torch.Tensor:

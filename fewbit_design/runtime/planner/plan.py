@@ -238,8 +238,10 @@ class MemoryPlan:
     ) -> dict[str, Any]:
         """Run one training step of the applied ``model`` under :func:`memory.peak` and :func:`memory.saved_bytes`,
         then ``steps`` timed steps; gradients are set to None before and after (no optimizer step). The result is
-        kept in ``measured`` (and shown by :meth:`report`). Caches are off meanwhile, as when profiling
-        (:func:`.profile.caches_disabled`)."""
+        kept in ``measured`` (and shown by :meth:`report`): ``peak_bytes`` (live tensor bytes, what the plan
+        predicts) and, beside it, ``rss_peak_bytes``, the process's peak RSS during that step above its RSS before
+        it (Linux; ``None`` elsewhere; see :mod:`fewbit_design.runtime.memory` for why the two differ). Caches are
+        off meanwhile, as when profiling (:func:`.profile.caches_disabled`)."""
         from .profile import StepMarks, caches_disabled, default_loss
 
         loss_fn = loss_fn or default_loss
@@ -276,6 +278,7 @@ class MemoryPlan:
         stride = max(1, len(timeline) // 400)
         self.measured = {
             "peak_bytes": result.max_bytes,
+            "rss_peak_bytes": result.rss_peak_bytes,
             "step_seconds": statistics.median(times) if times else float("nan"),
             "saved_bytes": per_block,
             "timeline": [[name, value + result.baseline_bytes] for name, value in timeline[::stride]],
@@ -332,6 +335,15 @@ class MemoryPlan:
             lines.append(
                 f"measured peak {format_bytes(peak)} ({peak / self.predicted_peak_bytes:.3f}x predicted), "
                 f"measured step time {self.measured['step_seconds'] * 1e3:.1f} ms"
+            )
+            rss = self.measured.get("rss_peak_bytes")
+            allocated = format_bytes(max(peak - self.baseline_bytes, 0))
+            lines.append(
+                f"process RSS over the measured step: peak +{format_bytes(rss)} above its start, beside {allocated} "
+                "of live tensor bytes at the peak (they differ by allocator caching and non-tensor memory: see "
+                "fewbit_design.runtime.memory)"
+                if rss is not None
+                else "process RSS: not measurable here (needs Linux /proc/self/clear_refs)"
             )
         approximate = self.approximate_blocks()
         needed = self.settings.get("approximate", APPROXIMATE_DEFAULT) == "if-needed"
@@ -529,6 +541,7 @@ def plan_memory(
     chain: str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
     offload_min_bytes: int = 1 << 20,
+    offload_pack_bytes: int = 0,
     offload_target: str = "auto",
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
@@ -559,6 +572,11 @@ def plan_memory(
         loss_fn: the step's loss from the model's output (default: ``output.loss`` or the mean of the first
             floating-point tensor).
         offload_min_bytes: saved tensors smaller than this stay in memory (offload's ``min_bytes``).
+        offload_pack_bytes: saved tensors from ``offload_min_bytes`` up to this go out packed, one transfer per
+            block (offload's ``pack_bytes``): with ``offload_min_bytes=0, offload_pack_bytes=1 << 20`` size is no
+            floor and small tensors cost one transfer per block instead of one each. Default 0 (no packing): a
+            packed block keeps its small tensors until it returns (its forward peak is the plain one), so where
+            memory matters more than time per-tensor transfers (``offload_min_bytes=0`` alone) can plan lower.
         offload_target: offload's ``target``; offloading runs with ``prefetch=0`` (synchronous: the tensor leaves
             memory when it is saved, so the prediction holds).
         repeats: timed runs per measurement (median).
@@ -595,7 +613,12 @@ def plan_memory(
             "plan_memory needs example inputs of one training step, with the training batch size: "
             "plan_memory(model, x, ...) or example_kwargs={...}"
         )
-    offload = {"min_bytes": int(offload_min_bytes), "target": offload_target, "prefetch": 0}
+    offload = {
+        "min_bytes": int(offload_min_bytes),
+        "pack_bytes": int(offload_pack_bytes),
+        "target": offload_target,
+        "prefetch": 0,
+    }
     from .. import registry
 
     own = registry.setting_defaults()

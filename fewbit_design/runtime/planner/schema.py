@@ -51,10 +51,12 @@ SIGNED_CHAIN_FIELDS = ("post_forward_peak", "post_bytes")
 SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
 SETTINGS_OPTIONAL = ("approximate",)  # absent in plans saved before it existed (APPROXIMATE_DEFAULT)
 OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
-OFFLOAD_OPTIONAL = ("max_host_bytes", "directory")  # offload.apply's other arguments, for a plan edited by hand
+# offload.apply's other arguments (for a plan edited by hand; pack_bytes is absent in plans saved before it existed)
+OFFLOAD_OPTIONAL = ("max_host_bytes", "directory", "pack_bytes")
 FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
 MEASURED_FIELDS = ("peak_bytes", "step_seconds", "saved_bytes", "timeline")
-MEASURED_OPTIONAL = ("marks",)  # absent in plans measured before it existed
+MEASURED_OPTIONAL = ("marks", "rss_peak_bytes")  # absent in plans measured before they existed; rss null where not
+# measurable
 
 
 def _list(where: str, value: Any) -> list | tuple:
@@ -156,6 +158,8 @@ def _check_settings(settings: Any) -> tuple[str, ...]:
     check_choice("settings.offload.target", offload["target"], TARGETS)
     check_integer("settings.offload.min_bytes", offload["min_bytes"], low=0)
     check_integer("settings.offload.prefetch", offload["prefetch"], low=0)
+    if "pack_bytes" in offload:
+        check_integer("settings.offload.pack_bytes", offload["pack_bytes"], low=0)
     if offload.get("max_host_bytes") is not None:
         check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
     if offload.get("directory") is not None:
@@ -192,6 +196,8 @@ def _check_measured(measured: Any) -> None:
         return
     check_keys("measured", measured, MEASURED_FIELDS, MEASURED_OPTIONAL)
     check_integer("measured.peak_bytes", measured["peak_bytes"], low=0)
+    if measured.get("rss_peak_bytes") is not None:
+        check_integer("measured.rss_peak_bytes", measured["rss_peak_bytes"], low=0)
     check_number("measured.step_seconds", measured["step_seconds"], low=0, allow_nan=True)  # NaN: no timed step
     _check_byte_map("measured.saved_bytes", measured["saved_bytes"])
     for index, event in enumerate(_list("measured.timeline", measured["timeline"])):

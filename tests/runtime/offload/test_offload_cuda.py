@@ -138,3 +138,20 @@ def test_graph_freed_without_backward_returns_buffers():
     close_freed()
     assert held_pinned_bytes() == 0
     assert offload.empty_cache() >= 0
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_packed_small_tensors_one_transfer_per_block(prefetch):
+    # the CPU twin of this path is test_offload_pack.py::test_packs_on_the_cuda_targets_twin
+    torch.manual_seed(0)
+    model = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(8)]).cuda()
+    x = torch.randn(256, 64, device="cuda")
+    expected = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    handle = offload.apply(model, list(model), target="cuda-host", min_bytes=0, pack_bytes=1 << 20, prefetch=prefetch)
+    got = torch.autograd.grad(model(x).square().mean(), list(model.parameters()))
+    torch.cuda.synchronize()
+    assert (handle.stats.tensors, handle.stats.transfers) == (16, 8)
+    for g, e in zip(got, expected, strict=True):
+        assert torch.equal(g, e)
+    handle.remove()
+    assert held_pinned_bytes() == 0
