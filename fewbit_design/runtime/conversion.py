@@ -342,6 +342,38 @@ def _count(report: Any) -> int:
     return len(report.replaced)
 
 
+SHARED_INPUT_REASON = (
+    "measured on the probe: its input is saved for backward by another module too (a memory-sharing norm keeps its "
+    "output): its codes would add bytes and free none"
+)
+
+
+def _shared_inputs(model: torch.nn.Module, probe: Any) -> dict[int, tuple[str, torch.nn.Module]]:
+    """The linear layers (by id: (name, module)) whose saved input another module saves too (one forward on the
+    probe, :attr:`memory.SavedBytes.exclusive_by_module`): compressing them frees nothing."""
+    linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
+    transformers_utils = sys.modules.get("transformers.pytorch_utils")
+    conv1d = getattr(transformers_utils, "Conv1D", None)
+    if conv1d is not None:
+        linears.update({name: module for name, module in model.named_modules() if type(module) is conv1d})
+    ran: set[str] = set()
+    handles = [
+        module.register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name, module in linears.items()
+    ]
+    try:
+        with _no_side_effects(model), _example_errors(), torch.enable_grad():
+            with memory.saved_bytes(model) as saved:
+                _run_example(model, probe)
+    finally:
+        for handle in handles:
+            handle.remove()
+    return {
+        id(module): (name, module)
+        for name, module in linears.items()
+        if name in ran and not saved.exclusive_by_module.get(name, 0)
+    }
+
+
 def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> torch.nn.Module:
     """Apply technique ``name`` with this call's options; returns the model (or the replacement of the root)."""
     if name == "norms":
@@ -366,7 +398,16 @@ def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> tor
         inside_gated = {
             id(child) for module in model.modules() if isinstance(module, GatedMLP) for child in module.children()
         }
-        return linear_convert(model, bits=options["compress"], filter=lambda _, module: id(module) not in inside_gated)
+        shared = _shared_inputs(model, options["probe"]) if options["probe"] is not None else {}
+        converted = linear_convert(
+            model,
+            bits=options["compress"],
+            filter=lambda _, module: id(module) not in inside_gated and id(module) not in shared,
+        )
+        converted.linear_report.skipped.extend(
+            (name, type(module).__name__, SHARED_INPUT_REASON) for name, module in shared.values()
+        )
+        return converted
     raise AssertionError(name)
 
 
@@ -428,6 +469,7 @@ def convert(
             strict=check_boolean("strict", strict),
         ),  # fmt: skip
         "compress": compress,
+        "probe": None,
     }
     _check_filter(filter)
     if switches["fewbit"]:
@@ -465,8 +507,10 @@ def _convert(
                 raise
             probe, result.probe = None, f"none (the probe built from the config failed to run: {error}): not measured"
     result.before = before
-    if probe is not None and switches["fewbit"] and options["fewbit"]["only_if_smaller"]:
-        options = {**options, "fewbit": {**options["fewbit"], "example_inputs": probe}}
+    if probe is not None:
+        options = {**options, "probe": probe}
+        if switches["fewbit"] and options["fewbit"]["only_if_smaller"]:
+            options["fewbit"] = {**options["fewbit"], "example_inputs": probe}
 
     original = _snapshot(model)
     current = model
