@@ -68,7 +68,12 @@ SWITCHES = {"norms": "norms", "gated": "gated", "fewbit": "activations", "linear
 #: which gradients each technique makes approximate (None: exact up to rounding)
 APPROXIMATE = {"fewbit": "activation gradients (few-bit tables)", "linear": "weight gradients of compressed linears"}
 #: the report attribute each technique's converter sets
-REPORT_ATTRIBUTES = {"norms": "norms_report", "gated": "gated_report", "fewbit": "fewbit_report", "linear": "linear_report"}
+REPORT_ATTRIBUTES = {
+    "norms": "norms_report",
+    "gated": "gated_report",
+    "fewbit": "fewbit_report",
+    "linear": "linear_report",
+}
 #: the probe built for a Hugging Face model: batch, tokens
 PROBE_BATCH, PROBE_TOKENS = 2, 8
 #: the functions looked for in forward code (every activation of the design registry, and the in-place forms)
@@ -102,7 +107,9 @@ class TechniqueReport:
         if self.replaced:
             head += f", {self.replaced} replacement(s)"
         if self.before is not None and self.after is not None:
-            head += f", saved for backward {self.before} -> {self.after} bytes ({self.after / max(self.before, 1):.2f}x)"
+            head += (
+                f", saved for backward {self.before} -> {self.after} bytes ({self.after / max(self.before, 1):.2f}x)"
+            )
         head += f"; gradients {'approximate: ' + self.approximate if self.approximate else 'exact'}"
         lines = [head]
         if self.reason:
@@ -288,8 +295,18 @@ class _FunctionalActivations(TorchFunctionMode):
         if name in FUNCTIONAL_NAMES and not any(_sees_itself(module) for _, module in self.stack):
             where, module = self.stack[-1] if self.stack else ("", None)
             owner = type(module).__qualname__ if module is not None else "?"
-            self.calls[where, owner, f"{getattr(func, '__module__', None) or 'torch'}.{name}".replace("torch._C._nn", "torch.nn.functional")] += 1  # fmt: skip
+            self.calls[where, owner, _function_name(func, name)] += 1
         return func(*args, **(kwargs or {}))
+
+
+def _function_name(func: Any, name: str) -> str:
+    """``torch.nn.functional.gelu`` for the builtin ``torch._C._nn.gelu``, ``torch.Tensor.relu`` for the method."""
+    owner = getattr(func, "__module__", None) or ""
+    if owner in ("torch._C._nn", "torch.nn.functional", ""):
+        owner = "torch.nn.functional" if owner else "torch.Tensor"
+    elif owner.startswith("torch._C"):
+        owner = "torch"
+    return f"{owner}.{name}"
 
 
 def _sees_itself(module: torch.nn.Module) -> bool:
@@ -464,9 +481,13 @@ def convert(
         compress = check_integer("compress (bits of compressed linear inputs, or None)", compress, low=2, high=8)
     options = {
         "fewbit": dict(
-            bits=check_bits(bits), weight=check_choice("weight", weight, WEIGHTS), mode=check_choice("mode", mode, MODES),
-            filter=filter, tables=tables, only_if_smaller=check_boolean("only_if_smaller", only_if_smaller),
-            strict=check_boolean("strict", strict),
+            bits=check_bits(bits),
+            weight=check_choice("weight", weight, WEIGHTS),
+            mode=check_choice("mode", mode, MODES),
+            filter=filter,
+            tables=tables,
+            only_if_smaller=only_if_smaller,
+            strict=strict,
         ),  # fmt: skip
         "compress": compress,
         "probe": None,

@@ -205,8 +205,8 @@ def owns_activation(module: torch.nn.Module) -> bool:
 def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
     """Every submodule object once (in ``named_modules`` order) with all the places it occupies: each attribute
     that holds it and each qualified name it has (a module used twice in one parent, or inside a module that is
-    itself shared, has several); not below few-bit modules nor modules that :func:`owns_activation`. With ``root``, a model that has no children (an
-    activation module given alone) is its own slot."""
+    itself shared, has several); not below few-bit modules nor below modules that :func:`owns_activation`. With
+    ``root``, a model that has no children (an activation module given alone) is its own slot."""
     if root and not model._modules:
         return [_Slot(model, root=True)]
     found: dict[int, _Slot] = {}
