@@ -9,8 +9,9 @@ model's parameters excluded; it also counts what a compiled forward saves, since
 * ``native``: the model as built;
 * one variant per registered module technique that changes the model (``fewbit``, ``norms``, ``gated``,
   ``linear``, ...; applied through ``fewbit_design.runtime.registry``), and ``exact`` (every exact module technique)
-  and ``exact+fewbit`` (what ``convert`` applies by default where the technique is registered) and
-  ``exact+fewbit+linear`` (with 8-bit linear inputs);
+  and ``exact+fewbit``, which is ``runtime.convert(model)`` (what a user calls: norms, gated op, few-bit
+  activations, each measured on a probe and left out where it saves nothing), and ``exact+fewbit+linear``, which is
+  ``runtime.convert(model, compress=8)`` (``--linear-bits``);
 
 each run eager and compiled: ``torch.compile(backend="aot_eager_decomp_partition")`` is inductor's decompositions
 and min-cut rematerialisation partitioner without code generation (the saved set inductor would keep, much faster
@@ -44,6 +45,7 @@ try:
 except ModuleNotFoundError:  # pragma: no cover - the optional 'models' extra
     sys.exit("benchmarks/transformer_memory.py needs transformers: pip install 'fewbit-design[models]'")
 
+from fewbit_design import runtime  # noqa: E402
 from fewbit_design.runtime import memory, registry  # noqa: E402
 
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt2")
@@ -94,13 +96,18 @@ def variants(settings: dict) -> dict[str, tuple[str, ...]]:
     if exact:
         found["exact"] = exact
     if "fewbit" in names:
-        found["exact+fewbit"] = (*exact, "fewbit")
+        found["exact+fewbit"] = ("convert",)
         if "linear" in names:
-            found["exact+fewbit+linear"] = (*exact, "fewbit", "linear")
+            found["exact+fewbit+linear"] = ("convert", "compress")
     return found
 
 
 def convert(model: torch.nn.Module, techniques: tuple[str, ...], settings: dict) -> torch.nn.Module:
+    if "convert" in techniques:  # what a user calls
+        compress = settings["linear_bits"] if "compress" in techniques else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return runtime.convert(model, bits=settings["bits"], compress=compress)
     for technique in registry.techniques():
         if technique.name in techniques:
             with warnings.catch_warnings():

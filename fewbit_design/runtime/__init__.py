@@ -5,7 +5,10 @@ Where things are (one folder per technique, each with its module API, functional
 
 * :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, the table ``lookup``, the op and its
   kernels); :mod:`.nn`, :mod:`.functional` and :mod:`.tables` (the lookup's) are the documented paths of its public
-  names, and ``runtime.convert`` is its :func:`~.fewbit.convert.convert` function.
+  names; :func:`~.fewbit.convert.convert` is the few-bit-only converter.
+* :mod:`.conversion`: ``runtime.convert``, the one converter: memory-sharing norms, the gated-MLP op and few-bit
+  activations by default, compressed linear inputs with ``compress=``, each measured on a probe and undone where it
+  does not reduce memory; its report is ``model.convert_report``.
 * :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
 * :mod:`.linear`: linear layers (``nn.Linear``, Hugging Face ``Conv1D``) that keep K-bit group codes of their input
   for the weight gradient (exact forward and input gradient).
@@ -54,7 +57,7 @@ _LAZY = {
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
-        + ("hf",)
+        + ("hf", "conversion")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
@@ -62,7 +65,8 @@ _LAZY = {
     "GatedMLP": ("gated.nn", "GatedMLP"),
     "lm_loss": ("head.ops", "lm_loss"),
     "load_table": ("fewbit.lookup", "load_table"),
-    "convert": ("fewbit.convert", "convert"),
+    "convert": ("conversion", "convert"),
+    "ConvertReport": ("conversion", "ConvertReport"),
     "calibrate": ("fewbit.calibrate", "calibrate"),
     "plan_memory": ("planner", "plan_memory"),
     "load_plan": ("planner", "load_plan"),

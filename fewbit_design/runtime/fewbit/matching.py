@@ -196,11 +196,17 @@ class _Slot:
         return tuple(dict.fromkeys(name for _, _, name in self.places))
 
 
+def owns_activation(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes its activation itself (class attribute ``owns_activation``, as the gated-MLP op's
+    module has): an activation module among its children is not called, and few-bit conversion leaves it alone."""
+    return bool(getattr(type(module), "owns_activation", False))
+
+
 def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
     """Every submodule object once (in ``named_modules`` order) with all the places it occupies: each attribute
     that holds it and each qualified name it has (a module used twice in one parent, or inside a module that is
-    itself shared, has several); not below few-bit modules. With ``root``, a model that has no children (an
-    activation module given alone) is its own slot."""
+    itself shared, has several); not below few-bit modules nor below modules that :func:`owns_activation`. With
+    ``root``, a model that has no children (an activation module given alone) is its own slot."""
     if root and not model._modules:
         return [_Slot(model, root=True)]
     found: dict[int, _Slot] = {}
@@ -214,7 +220,9 @@ def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
             name = f"{prefix}.{child_name}" if prefix else child_name
             slot = found.setdefault(id(child), _Slot(child))
             slot.places.append((parent, child_name, name))
-            if not isinstance(child, FewBitModule) and id(child) not in ancestors:
+            # not below a module that computes its activation itself (the gated-MLP op): its activation child is
+            # never called, so replacing it would change nothing and the report would claim it
+            if not isinstance(child, FewBitModule) and not owns_activation(child) and id(child) not in ancestors:
                 walk(child, name)
         ancestors.discard(id(parent))
 

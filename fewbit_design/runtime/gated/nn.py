@@ -55,6 +55,10 @@ class GatedMLP(torch.nn.Module):
     torch.Size([2, 3, 4])
     """
 
+    #: the op computes the activation: the original activation child is kept (names, state) but never called, so
+    #: few-bit conversion does not replace it (:func:`~..fewbit.matching.owns_activation`)
+    owns_activation = True
+
     def __init__(
         self,
         children: dict[str, torch.nn.Module],
