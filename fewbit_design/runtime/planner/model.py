@@ -7,8 +7,9 @@ above the step's start: what the model computed before the chain, x_0 included).
 
 A block under option o: its forward peaks ``forward_peak`` above its start (output included), then leaves
 ``kept`` bytes alive besides its output (what it holds for backward; a checkpointed block: nothing); it keeps its
-input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive until block i's
-backward when block i saves it or block i + 1 saves it (``held``), else it is freed after block i + 1's forward.
+input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive when block i saves it or
+block i + 1 saves it (``held``), else it is freed after block i + 1's forward; a held x_{i+1} is freed when the
+backward of the last block that saves it is done (block i's when block i saves it, else block i + 1's).
 Its backward peaks ``backward_peak`` above the bytes alive when it starts without its incoming gradient (which the
 measured peak includes: autograd frees it once used, so it is not alive through the whole backward; for a
 checkpointed block the peak includes
@@ -36,7 +37,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["OptionCost", "BlockCosts", "ChainCosts", "Replay", "replay", "optimise", "minimum_budget"]
+__all__ = ["OptionCost", "BlockCosts", "ChainCosts", "Replay", "replay", "optimise", "minimum_budget", "reserved_bytes"]
 
 #: states kept per option in the dynamic program; beyond it, Q is bucketed (then exact up to the bucket width)
 MAX_FRONT = 4096
@@ -45,7 +46,8 @@ MAX_FRONT = 4096
 @dataclass(frozen=True)
 class OptionCost:
     """What one block costs under one option (bytes from ``memory.peak``/``memory.saved_bytes``; seconds of a
-    forward + backward of the block alone)."""
+    forward + backward of the block alone). ``resident_bytes``: parameters and buffers the option adds to the block
+    (a few-bit table's levels and boundaries), alive through the whole step; 0 in plans saved before it existed."""
 
     option: str
     forward_peak: int
@@ -54,6 +56,7 @@ class OptionCost:
     saves_input: bool
     saves_output: bool
     seconds: float
+    resident_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -123,10 +126,25 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
         live += blocks[i].gradient_bytes - choice[i].kept - blocks[i].output_bytes
         if i > 0:
             live += blocks[i].input_bytes  # the gradient of x_i
-        if i + 1 < n and _held(blocks, choice, i + 1):
-            live -= blocks[i].output_bytes  # x_{i+1}: its last user's backward is done
+        # a held hidden state is freed when the backward of the last block that saves it is done: x_{i+1} now when
+        # block i saves it; x_i now when block i saves it and block i - 1 does not
+        if i + 1 < n and choice[i].saves_output:
+            live -= blocks[i].output_bytes
+        if i > 0 and choice[i].saves_input and not choice[i - 1].saves_output:
+            live -= blocks[i].input_bytes
     timeline.append(("modules before the chain (backward)", chain.pre_backward_peak))
+    resident = reserved_bytes(chain)
+    timeline = [(label, value + resident) for label, value in timeline]
     return Replay(max(value for _, value in timeline), sum(o.seconds for o in choice), timeline)
+
+
+def reserved_bytes(chain: ChainCosts) -> int:
+    """Bytes every prediction reserves for what options add to the model (``resident_bytes``: few-bit tables):
+    per block, the most any of its options adds. Those bytes are alive at every event of the step, before the
+    block that adds them too, so they are a constant of the chain, not a choice: the optimiser stays exact against
+    :func:`replay`, and a prediction is above the truth by at most the bytes the unchosen options would add (a few
+    KiB; 0 where no option adds any)."""
+    return sum(max(o.resident_bytes for o in block.options) for block in chain.blocks)
 
 
 def _suffix_gradients(blocks: Sequence[BlockCosts]) -> list[int]:
@@ -141,13 +159,14 @@ def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: 
     """From block i under ``a`` to block i + 1 under ``b``: (the largest event that this step decides, minus Q_i;
     the growth of Q).
 
-    Block i's backward starts with Q_i, what block i keeps, x_{i+1} if held, the gradients of blocks > i, the
-    post-chain bytes and the incoming gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what
-    block i keeps and x_{i+1} alive. (Derived from :func:`replay` by summing its updates; tests check it.)"""
+    Block i's backward starts with Q_i, what block i keeps, x_{i+1} if block i saves it (if only block i + 1 does,
+    x_{i+1} was freed with block i + 1's backward), the gradients of blocks > i, the post-chain bytes and the incoming
+    gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what block i keeps and x_{i+1} alive.
+    (Derived from :func:`replay` by summing its updates; tests check it.)"""
     blocks = chain.blocks
     out = blocks[i].output_bytes
     held = a.saves_output or b.saves_input
-    backward = a.kept + (out if held else 0) + chain.post_bytes + suffix[i] + a.backward_peak
+    backward = a.kept + (out if a.saves_output else 0) + chain.post_bytes + suffix[i] + a.backward_peak
     forward = a.kept + out + b.forward_peak
     return max(backward, forward), a.kept + (out if held else 0)
 
@@ -164,10 +183,11 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
     ``budget`` bytes; None when none fits. ``allowed[i]`` restricts block i's options (default: all of them)."""
     blocks = chain.blocks
     n = len(blocks)
+    options = _options(chain, allowed)
+    budget -= reserved_bytes(chain)
     if max(chain.pre_forward_peak, chain.pre_backward_peak) > budget:
         return None
     limit = budget - chain.entry_bytes
-    options = _options(chain, allowed)
     suffix = _suffix_gradients(blocks)
     # state: option index of the current block -> list of (Q, seconds, path)
     fronts: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}

@@ -20,10 +20,12 @@ from __future__ import annotations
 import contextlib
 import copy
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import FewBitError
 from .. import memory
@@ -114,12 +116,20 @@ def _hidden(args: tuple, kwargs: dict) -> torch.Tensor:
 
 
 class _Recorder:
-    """Hooks of the profiling step: the blocks' inputs and the live bytes at the chain's boundaries."""
+    """Hooks of the profiling step: the blocks' inputs and the live bytes at the chain's boundaries.
+
+    The inputs are kept as copies made out of the instrument's sight, and the outputs only by weak reference: a
+    reference to a hidden state would keep it alive through the whole measured step, which the plain step does not
+    (the last block's output, freed at the loss, was counted into ``post_bytes``; every hidden state into the peak
+    after the chain's backward), so predictions came out above the measured peaks."""
 
     def __init__(self, blocks: list[torch.nn.Module], result: memory.Peak) -> None:
         self.blocks, self.result = blocks, result
         self.inputs: list[tuple[tuple, dict] | None] = [None] * len(blocks)
-        self.outputs: list[torch.Tensor | None] = [None] * len(blocks)
+        self.needs_grad: list[bool] = [False] * len(blocks)
+        self.outputs: list[weakref.ref | None] = [None] * len(blocks)
+        self.unchained: int | None = None  # the first block whose input is not the previous block's output
+        self.copies: dict[tuple[str, int], torch.Tensor] = {}
         self.calls: list[int] = []
         self.marks: dict[str, tuple[int, int]] = {}
         self.handles = []
@@ -138,14 +148,20 @@ class _Recorder:
                 self.mark("entry")
                 if hidden.requires_grad:
                     hidden.register_hook(lambda grad: self.mark("chain backward end"))
-            self.inputs[index] = (args, kwargs)
+            else:
+                previous = self.outputs[index - 1]() if self.outputs[index - 1] is not None else None
+                same = previous is not None and memory.storage_key(previous) == memory.storage_key(hidden)
+                if not same and self.unchained is None:
+                    self.unchained = index
+            self.needs_grad[index] = bool(hidden.requires_grad)
+            self.inputs[index] = _copy_unseen((args, kwargs), self.copies)
 
         return hook
 
     def _post(self, index: int):
         def hook(module, args, output):
             hidden = first_tensor(output)
-            self.outputs[index] = hidden
+            self.outputs[index] = weakref.ref(hidden)
             if index == len(self.blocks) - 1:
                 self.mark("exit")
                 if hidden.requires_grad:
@@ -158,13 +174,20 @@ class _Recorder:
             handle.remove()
 
 
-def _detach(value: Any) -> Any:
+def _copy_unseen(value: Any, copies: dict[tuple[str, int], torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a detached copy made outside the dispatch modes (so
+    :func:`memory.peak` neither counts the copy nor sees the original kept alive); one copy per storage (the
+    keyword inputs the blocks share are copied once)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        key = (*memory.storage_key(value), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+        if key not in copies:
+            with _disable_current_modes(), torch.no_grad():
+                copies[key] = value.detach().clone()
+        return copies[key]
     if isinstance(value, tuple | list):
-        return type(value)(_detach(v) for v in value)
+        return type(value)(_copy_unseen(v, copies) for v in value)
     if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
+        return {k: _copy_unseen(v, copies) for k, v in value.items()}
     return value
 
 
@@ -180,6 +203,12 @@ def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
 
     parameters = tuple((n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters())
     return (repr(block), parameters, shape(args), shape(kwargs), block.training)
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's distinct parameter and buffer storages."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum({memory.storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 class _Measure:
@@ -228,6 +257,7 @@ class _Measure:
             self.step(module, option, args, kwargs, needs_grad)
             synchronize(args[0].device)
             times.append(time.perf_counter() - start)
+        added = _module_bytes(module) - _module_bytes(block)
         cost = OptionCost(
             option=option,
             forward_peak=run.forward_peak,
@@ -236,6 +266,7 @@ class _Measure:
             saves_input=run.saves_input,
             saves_output=run.saves_output,
             seconds=min(times),  # the least disturbed run (the machine may be shared)
+            resident_bytes=max(added, 0),
         )
         return charge(cost, option, extra), extra
 
@@ -344,10 +375,9 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         raise FewBitError(
             f"the chain's blocks must each run once, in order, in one step; they ran in the order {recorder.calls}"
         )
-    for i in range(1, len(blocks)):
-        hidden = _hidden(*recorder.inputs[i])
-        if hidden.untyped_storage().data_ptr() != recorder.outputs[i - 1].untyped_storage().data_ptr():
-            raise FewBitError(f"block {i} of the chain does not take block {i - 1}'s output as its first input")
+    if recorder.unchained is not None:
+        i = recorder.unchained
+        raise FewBitError(f"block {i} of the chain does not take block {i - 1}'s output as its first input")
     timeline = [value for _, value in result.timeline]
     marks = recorder.marks
     entry_index, entry = marks["entry"]
@@ -363,8 +393,9 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         "post_bytes": start_bytes - exit_bytes,
         "pre_backward_peak": max(timeline[end_index:], default=0),
     }
-    recorded = [(_detach(args), _detach(kwargs), bool(args[0].requires_grad)) for args, kwargs in recorder.inputs]
-    device = recorder.outputs[0].device
+    inputs, needs_grad = recorder.inputs, recorder.needs_grad
+    recorded = [(args, kwargs, needs) for (args, kwargs), needs in zip(inputs, needs_grad, strict=True)]
+    device = _hidden(*recorded[0][:2]).device
     times = []
     for _ in range(repeats):
         for parameter in model.parameters():
