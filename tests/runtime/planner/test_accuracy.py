@@ -3,6 +3,8 @@ of the applied plan (``memory.peak``) never exceeds the budget and the predicted
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from torch import nn
@@ -47,4 +49,10 @@ def test_measured_peak_within_budget_and_prediction_over_a_sweep(width, batch):
     plans.append(base.replan("min", allow=("offload",)))  # every block offloaded
     assert "offload" in plans[-1].techniques_used()
     for plan in plans:
+        _check(plan, lambda: _mlp(width), x)
+    # fixed choices, whatever the timings: checkpointed blocks before one that saves its input, where the peak is a
+    # checkpointed block's backward after the next block's backward freed the hidden state between them
+    # (regression: the prediction kept it alive); every block offloaded; few-bit tables in every block
+    for choices in [("checkpoint",) * 3 + ("plain",), ("offload",) * 4, ("fewbit+checkpoint",) * 3 + ("fewbit",)]:
+        plan = dataclasses.replace(base, choices=choices, budget_bytes=base.unconverted_peak_bytes)
         _check(plan, lambda: _mlp(width), x)
