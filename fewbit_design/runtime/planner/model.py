@@ -35,9 +35,19 @@ option combinations, scored by :func:`replay`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["OptionCost", "BlockCosts", "ChainCosts", "Replay", "replay", "optimise", "minimum_budget", "reserved_bytes"]
+__all__ = [
+    "OptionCost",
+    "BlockCosts",
+    "ChainCosts",
+    "Replay",
+    "replay",
+    "optimise",
+    "minimum_budget",
+    "reserved_bytes",
+    "settle_ties",
+]
 
 #: states kept per option in the dynamic program; beyond it, Q is bucketed (then exact up to the bucket width)
 MAX_FRONT = 4096
@@ -47,7 +57,8 @@ MAX_FRONT = 4096
 class OptionCost:
     """What one block costs under one option (bytes from ``memory.peak``/``memory.saved_bytes``; seconds of a
     forward + backward of the block alone). ``resident_bytes``: parameters and buffers the option adds to the block
-    (a few-bit table's levels and boundaries), alive through the whole step; 0 in plans saved before it existed."""
+    (a few-bit table's levels and boundaries), alive through the whole step; ``spread``: the timing noise of
+    ``seconds`` (half the range of the timed runs; :func:`settle_ties`). Both 0 in plans saved before they existed."""
 
     option: str
     forward_peak: int
@@ -57,6 +68,7 @@ class OptionCost:
     saves_output: bool
     seconds: float
     resident_bytes: int = 0
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -190,19 +202,21 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
     limit = budget - chain.entry_bytes
     suffix = _suffix_gradients(blocks)
     # state: option index of the current block -> list of (Q, seconds, path)
-    fronts: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+    # a state's cost is (seconds, techniques): among plans of equal time, the one with fewer techniques
+    fronts: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
     for k, option in enumerate(options[0]):
         if option.forward_peak <= limit:
-            fronts[k] = [(0, option.seconds, (k,))]
+            fronts[k] = [(0, (option.seconds, _count(option)), (k,))]
     for i in range(n - 1):
-        following: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+        following: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
         for k, front in fronts.items():
             a = options[i][k]
             for m, b in enumerate(options[i + 1]):
                 event, growth = _transition(chain, suffix, i, a, b)
-                for q, seconds, path in front:
+                for q, (seconds, count), path in front:
                     if q + event <= limit:
-                        following.setdefault(m, []).append((q + growth, seconds + b.seconds, path + (m,)))
+                        cost = (seconds + b.seconds, count + _count(b))
+                        following.setdefault(m, []).append((q + growth, cost, path + (m,)))
         fronts = {m: _pareto(front, limit) for m, front in following.items()}
         if not fronts:
             return None
@@ -210,31 +224,67 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
     for k, front in fronts.items():
         a = options[n - 1][k]
         end = _terminal(chain, a)
-        finals += [(seconds, q + end, path) for q, seconds, path in front if q + end <= limit]
+        finals += [(cost, q + end, path) for q, cost, path in front if q + end <= limit]
     if not finals:
         return None
-    seconds, _, path = min(finals, key=lambda item: (item[0], item[1]))
+    _, _, path = min(finals, key=lambda item: (item[0], item[1]))
     return [options[i][k].option for i, k in enumerate(path)]
 
 
-def _pareto(front: list[tuple[int, float, tuple[int, ...]]], limit: int) -> list[tuple[int, float, tuple[int, ...]]]:
-    """The states no other state beats in both Q and time (Q ascending, time strictly descending)."""
+def _count(option: OptionCost) -> int:
+    """The number of techniques of an option (``"plain"``: none; names are joined by ``+``)."""
+    return 0 if option.option == "plain" else option.option.count("+") + 1
+
+
+def _pareto(front: list, limit: int) -> list:
+    """The states no other state beats in both Q and cost (Q ascending, cost strictly descending)."""
     front.sort(key=lambda item: (item[0], item[1]))
-    kept: list[tuple[int, float, tuple[int, ...]]] = []
-    best = float("inf")
+    kept = []
+    best = (float("inf"), 0)
     for item in front:
         if item[1] < best:
             kept.append(item)
             best = item[1]
     if len(kept) > MAX_FRONT:  # bucket Q (rounded up, so the plan stays within the budget)
         width = max(1, limit // MAX_FRONT)
-        buckets: dict[int, tuple[int, float, tuple[int, ...]]] = {}
-        for q, seconds, path in kept:
+        buckets: dict[int, tuple] = {}
+        for q, cost, path in kept:
             key = -(-q // width)
-            if key not in buckets or seconds < buckets[key][1]:
-                buckets[key] = (key * width, seconds, path)
-        kept = sorted(buckets.values())
+            if key not in buckets or cost < buckets[key][1]:
+                buckets[key] = (key * width, cost, path)
+        kept = sorted(buckets.values(), key=lambda item: (item[0], item[1]))
     return kept
+
+
+#: two options' times closer than their spreads plus this fraction of the faster one are a tie
+TIE_FRACTION = 0.03
+
+
+def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) -> ChainCosts:
+    """``chain`` with timing noise taken out of the decisions: an option that is not measurably faster than an
+    option ranked before it (its median is not below the other's by more than the sum of their spreads and
+    :data:`TIE_FRACTION` of the other's time) is charged at least that option's time. With the tie-break of
+    :func:`optimise` (fewer techniques at equal time), a tie goes to the option ranked first, whatever the noise.
+    ``rank[i][k]`` orders block i's options (lower first; default: fewer techniques first, then their order).
+    Bytes are unchanged; an option measurably faster keeps its time."""
+    blocks = []
+    for i, block in enumerate(chain.blocks):
+        order = sorted(
+            range(len(block.options)),
+            key=lambda k: (rank[i][k] if rank is not None else _count(block.options[k]), k),
+        )
+        charged: dict[int, float] = {}
+        for position, k in enumerate(order):
+            o = block.options[k]
+            seconds = o.seconds
+            for j in order[:position]:
+                p = block.options[j]
+                if o.seconds >= p.seconds - (o.spread + p.spread) - TIE_FRACTION * p.seconds:
+                    seconds = max(seconds, charged[j])
+            charged[k] = seconds
+        options = tuple(replace(o, seconds=charged[k]) for k, o in enumerate(block.options))
+        blocks.append(replace(block, options=options))
+    return replace(chain, blocks=tuple(blocks))
 
 
 def minimum_budget(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None = None) -> int:

@@ -17,7 +17,7 @@ import torch
 from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
 from .. import memory
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
-from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay
+from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
 from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
 from .techniques import TECHNIQUES, apply_option, apply_regions, check_choices, is_exact, parse_option
 
@@ -456,7 +456,8 @@ def choose(
     if approximate == "if-needed" and plain <= target:
         choices = ["plain"] * len(costs.blocks)  # nothing to save: a technique is faster than plain only by noise
     else:
-        choices = optimise(_exact_first(costs) if approximate == "if-needed" else costs, target, allowed)
+        settled = settle_ties(costs, _ranks(costs))
+        choices = optimise(_exact_first(settled) if approximate == "if-needed" else settled, target, allowed)
     if choices is None:
         raise FewBitError(
             f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
@@ -475,6 +476,14 @@ def choose(
         facts=facts,
         fingerprint=fingerprint,
     )
+
+
+def _ranks(costs: ChainCosts) -> list[list[int]]:
+    """The fixed rule that breaks ties of time (:func:`.model.settle_ties`): fewer techniques first, then exact
+    before approximate."""
+    return [
+        [2 * len(parse_option(o.option)) + (0 if is_exact(o.option) else 1) for o in b.options] for b in costs.blocks
+    ]
 
 
 def _exact_first(costs: ChainCosts) -> ChainCosts:
@@ -539,7 +548,10 @@ def plan_memory(
         offload_min_bytes: saved tensors smaller than this stay in memory (offload's ``min_bytes``).
         offload_target: offload's ``target``; offloading runs with ``prefetch=0`` (synchronous: the tensor leaves
             memory when it is saved, so the prediction holds).
-        repeats: timed runs per measurement (median).
+        repeats: timed runs per measurement, at least; more (up to three times as many) until the median is
+            stable. Options whose medians differ by less than their spread (half the range of their runs) plus 3%
+            are a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
+            that timing noise does not flip the plan (:func:`.model.settle_ties`).
         example_kwargs: keyword inputs of the step.
         technique_settings: settings of registered techniques beyond the ones above (each technique's
             ``Technique.settings`` names its keys and defaults, e.g. ``{"linear_bits": 4}``).

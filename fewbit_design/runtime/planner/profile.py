@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
@@ -205,6 +206,34 @@ def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
     return (repr(block), parameters, shape(args), shape(kwargs), block.training)
 
 
+#: the planner's clock (a test replaces it with a fake one to inject timing noise)
+clock = time.perf_counter
+#: a median is stable when one more run moves it by at most this fraction
+STABLE = 0.02
+
+
+def timed(run: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
+    """Time ``run``: at least ``repeats`` runs, then (with ``repeats`` >= 2) more until one more run moves the
+    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all. Returns (median, spread): the
+    spread is half the range of the runs, the noise within which the planner takes two options' times as a tie
+    (:func:`.model.settle_ties`). The median, not the minimum: on a shared machine the minimum of a few runs is
+    the luckiest one, and it differs from option to option by more than the options differ."""
+    times: list[float] = []
+    while True:
+        synchronize(device)
+        start = clock()
+        run()
+        synchronize(device)
+        times.append(clock() - start)
+        if len(times) < repeats:
+            continue
+        if repeats < 2 or len(times) >= 3 * repeats:
+            break
+        if abs(statistics.median(times) - statistics.median(times[:-1])) <= STABLE * statistics.median(times):
+            break
+    return statistics.median(times), (max(times) - min(times)) / 2
+
+
 def _module_bytes(module: torch.nn.Module) -> int:
     """Bytes of a module's distinct parameter and buffer storages."""
     tensors = [*module.parameters(), *module.buffers()]
@@ -248,15 +277,13 @@ class _Measure:
             "saved_bytes": run.saved_bytes,
             "offloaded_bytes": run.region.bytes,
         }
-        times = []
-        for _ in range(self.repeats):
+
+        def timed_step() -> None:
             for parameter in module.parameters():
                 parameter.grad = None
-            synchronize(args[0].device)
-            start = time.perf_counter()
             self.step(module, option, args, kwargs, needs_grad)
-            synchronize(args[0].device)
-            times.append(time.perf_counter() - start)
+
+        seconds, spread = timed(timed_step, self.repeats, args[0].device)
         added = _module_bytes(module) - _module_bytes(block)
         cost = OptionCost(
             option=option,
@@ -265,8 +292,9 @@ class _Measure:
             backward_peak=run.backward_peak,
             saves_input=run.saves_input,
             saves_output=run.saves_output,
-            seconds=min(times),  # the least disturbed run (the machine may be shared)
+            seconds=seconds,
             resident_bytes=max(added, 0),
+            spread=spread,
         )
         return charge(cost, option, extra), extra
 
@@ -396,16 +424,13 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
     inputs, needs_grad = recorder.inputs, recorder.needs_grad
     recorded = [(args, kwargs, needs) for (args, kwargs), needs in zip(inputs, needs_grad, strict=True)]
     device = _hidden(*recorded[0][:2]).device
-    times = []
-    for _ in range(repeats):
+
+    def step() -> None:
         for parameter in model.parameters():
             parameter.grad = None
-        synchronize(device)
-        start = time.perf_counter()
         loss_fn(model(*example_inputs, **example_kwargs)).backward()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    facts["step_seconds"] = min(times)
+
+    facts["step_seconds"], _ = timed(step, repeats, device)
     for parameter in model.parameters():
         parameter.grad = None
     return facts, recorded
