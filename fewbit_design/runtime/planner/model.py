@@ -256,14 +256,11 @@ def _pareto(front: list, limit: int) -> list:
     return kept
 
 
-#: two options' times closer than their spreads plus this fraction of the faster one are a tie
-TIE_FRACTION = 0.03
-
-
 def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) -> ChainCosts:
     """``chain`` with timing noise taken out of the decisions: an option that is not measurably faster than an
-    option ranked before it (its median is not below the other's by more than the sum of their spreads and
-    :data:`TIE_FRACTION` of the other's time) is charged at least that option's time. With the tie-break of
+    option ranked before it (its median is not below the other's by more than the sum of their spreads: the noise
+    measured; options without a spread, such as plans saved before it existed, never tie) is charged at least that
+    option's time. With the tie-break of
     :func:`optimise` (fewer techniques at equal time), a tie goes to the option ranked first, whatever the noise.
     ``rank[i][k]`` orders block i's options (lower first; default: fewer techniques first, then their order).
     Bytes are unchanged; an option measurably faster keeps its time."""
@@ -279,7 +276,7 @@ def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) 
             seconds = o.seconds
             for j in order[:position]:
                 p = block.options[j]
-                if o.seconds >= p.seconds - (o.spread + p.spread) - TIE_FRACTION * p.seconds:
+                if o.seconds >= p.seconds - (o.spread + p.spread):
                     seconds = max(seconds, charged[j])
             charged[k] = seconds
         options = tuple(replace(o, seconds=charged[k]) for k, o in enumerate(block.options))

@@ -549,8 +549,8 @@ def plan_memory(
         offload_target: offload's ``target``; offloading runs with ``prefetch=0`` (synchronous: the tensor leaves
             memory when it is saved, so the prediction holds).
         repeats: timed runs per measurement, at least; more (up to three times as many) until the median is
-            stable. Options whose medians differ by less than their spread (half the range of their runs) plus 3%
-            are a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
+            stable. Options whose medians differ by less than their spreads (half the range of their runs) are
+            a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
             that timing noise does not flip the plan (:func:`.model.settle_ties`).
         example_kwargs: keyword inputs of the step.
         technique_settings: settings of registered techniques beyond the ones above (each technique's

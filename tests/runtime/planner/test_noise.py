@@ -70,7 +70,7 @@ def _option(name: str, seconds: float, spread: float, kept: int = 100) -> Option
 def test_a_tie_goes_to_fewer_techniques(fewbit_seconds):
     """Few-bit within the noise of plain (1.5% faster, as in the issue): charged as plain, and the plan at a budget
     that both fit is plain, whichever of the two measured faster."""
-    chain = ChainCosts((_block(_option("plain", 1.0, 0.01), _option("fewbit", fewbit_seconds, 0.01, kept=50)),))
+    chain = ChainCosts((_block(_option("plain", 1.0, 0.02), _option("fewbit", fewbit_seconds, 0.02, kept=50)),))
     settled = settle_ties(chain)
     assert settled.blocks[0].option("fewbit").seconds >= 1.0
     assert optimise(settled, 10**6) == ["plain"]
@@ -81,3 +81,9 @@ def test_a_measurably_faster_option_keeps_its_time():
     settled = settle_ties(chain)
     assert settled.blocks[0].option("fewbit").seconds == 0.8
     assert optimise(settled, 10**6) == ["fewbit"]
+
+
+def test_options_without_a_measured_spread_never_tie():
+    """Plans saved before spreads existed (and costs built by hand) keep the fastest plan by their times."""
+    chain = ChainCosts((_block(_option("plain", 1.0, 0.0), _option("fewbit", 0.999, 0.0, kept=50)),))
+    assert optimise(settle_ties(chain), 10**6) == ["fewbit"]
