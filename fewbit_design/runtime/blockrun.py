@@ -84,8 +84,10 @@ class BlockRun:
         input_bytes: bytes of the hidden-state input.
         output_bytes: bytes of the hidden-state output (the first element of a tuple output).
         new_output: whether the output is a new storage (not the input's, as an in-place block returns).
-        saved_bytes: bytes saved for backward (parameters and buffers excluded; the input counts if saved).
-        saves_input, saves_output: whether the input's / output's storage is among the saved tensors.
+        saved_bytes: bytes saved for backward (parameters and buffers excluded; the input counts if saved; what a
+            region moved out of memory counts too: the region's value says how much that was).
+        saves_input, saves_output: whether the input's / output's storage is saved and stays in memory for
+            backward (:meth:`memory.SavedBytes.keeps`: not when the region moved it out of memory).
         forward_peak: peak of the forward pass above its start (output included).
         after_forward: live bytes after the forward pass above its start (output included).
         backward_peak: peak of the backward pass (see the seeds); 0 when the output needs no gradient.
@@ -150,13 +152,15 @@ def run_block(
     inp = leaf.view_as(leaf) if needs_grad else leaf
     backward_peak = backward_delta = 0
     with memory.peak() as p:
-        with memory.saved_bytes(block) as saved, region or contextlib.nullcontext() as region_value:
+        # the region outside, so that saved_bytes sees what the block saves before the region's hooks take it
+        with region or contextlib.nullcontext() as region_value, memory.saved_bytes(block) as saved:
             output = block(inp, *args, **kwargs)
         hidden = first_tensor(output)
         forward_peak, after_forward = p.peak_bytes, p.live_bytes
         output_bytes = storage_bytes(hidden)
         new_output = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
-        saves_input, saves_output = saved.contains(inp), saved.contains(hidden)
+        # kept in memory for backward (a region such as offload keeps what is under its size threshold)
+        saves_input, saves_output = saved.keeps(inp), saved.keeps(hidden)
         result = hidden.detach() if seed == "ones" else None  # "owned": the output lives only if the block saved it
         if hidden.requires_grad and seed == "ones":
             p.reset_peak()

@@ -119,6 +119,7 @@ class SavedBytes:
     tensors: int = 0
     exclusive_by_module: dict[str, int] = field(default_factory=dict)
     _seen: dict[tuple[str, int], int] = field(default_factory=dict, repr=False)
+    _in_memory: set[tuple[str, int]] = field(default_factory=set, repr=False)
     _savers: dict[tuple[str, int], set[str]] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
@@ -127,6 +128,13 @@ class SavedBytes:
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` was counted as saved for backward."""
         return storage_key(tensor) in self._seen
+
+    def keeps(self, tensor: torch.Tensor) -> bool:
+        """Whether the storage behind ``tensor`` was saved for backward and stays in memory: saved at least once
+        without the hooks active below this block (those that were active when it was entered: an offload region,
+        a checkpoint) packing it away. An offload region keeps a tensor under its ``min_bytes`` as it is, so
+        ``keeps`` is true for it and false for what it offloaded; without hooks below, ``keeps`` is ``contains``."""
+        return storage_key(tensor) in self._in_memory
 
 
 def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[SavedBytes]:
@@ -168,7 +176,9 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
             handles.append(module.register_forward_pre_hook(pre_hook))
             handles.append(module.register_forward_hook(post_hook, always_call=True))
 
-    def count(tensor: torch.Tensor) -> None:
+    def count(tensor: torch.Tensor, packed: Any = None) -> None:
+        """Count ``tensor``; ``packed`` is what the hooks below made of it (it stays in memory when that is a
+        tensor of the same storage)."""
         if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             return
         try:
@@ -177,6 +187,8 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
             return
         if key in excluded:
             return
+        if packed is tensor or (isinstance(packed, torch.Tensor) and _same_storage(packed, key)):
+            result._in_memory.add(key)
         if model is not None:
             result._savers.setdefault(key, set()).add(stack[-1] if stack else "")
         if key in result._seen:
@@ -192,7 +204,7 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
     if below is None:
 
         def pack(tensor: torch.Tensor) -> Any:
-            count(tensor)
+            count(tensor, tensor)
             return tensor
 
         def unpack(packed: Any) -> torch.Tensor:
@@ -202,8 +214,9 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
         pack_below, unpack = below
 
         def pack(tensor: torch.Tensor) -> Any:
-            count(tensor)
-            return pack_below(tensor)
+            packed = pack_below(tensor)
+            count(tensor, packed)
+            return packed
 
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
@@ -218,6 +231,13 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
                 if len(savers) == 1:
                     exclusive[next(iter(savers))] += result._seen[key]
             result.exclusive_by_module = dict(exclusive)
+
+
+def _same_storage(tensor: torch.Tensor, key: tuple[str, int]) -> bool:
+    try:
+        return storage_key(tensor) == key
+    except (RuntimeError, NotImplementedError):
+        return False
 
 
 @dataclass

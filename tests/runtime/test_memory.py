@@ -124,6 +124,26 @@ def test_measuring_inside_an_offload_region_does_not_stop_the_offloading(tmp_pat
     offload.empty_cache()
 
 
+def test_keeps_tells_what_stays_in_memory_from_what_a_region_below_moved_out(tmp_path):
+    """Regression: the planner asked ``contains`` whether a block under offload keeps its input, with the region's
+    hooks hiding everything it packed, kept or not; a hidden state under ``min_bytes`` stays in memory, and the
+    planner predicted it freed (plans measured over budget). ``keeps`` is true only for what stays."""
+    from fewbit_design.runtime import offload
+
+    small, large = torch.randn(64, requires_grad=True), torch.randn(4096, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=1024, directory=tmp_path) as stats:
+        with memory.saved_bytes() as m:
+            kept, moved = torch.tanh(small), torch.tanh(large)  # each saves its output
+    assert stats.tensors == 1 and stats.bytes == 4096 * 4  # the large output left memory
+    assert m.contains(kept) and m.contains(moved) and m.total == (64 + 4096) * 4
+    assert m.keeps(kept) and not m.keeps(moved)
+    (kept.sum() + moved.sum()).backward()
+    offload.empty_cache()
+    with memory.saved_bytes() as plain:  # no hooks below: keeps is contains
+        out = torch.tanh(small)
+    assert plain.keeps(out) and plain.contains(out) and not plain.keeps(small)
+
+
 def test_a_block_object_measures_one_block():
     from fewbit_design.errors import FewBitError
 

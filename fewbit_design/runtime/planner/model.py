@@ -7,8 +7,9 @@ above the step's start: what the model computed before the chain, x_0 included).
 
 A block under option o: its forward peaks ``forward_peak`` above its start (output included), then leaves
 ``kept`` bytes alive besides its output (what it holds for backward; a checkpointed block: nothing); it keeps its
-input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive until block i's
-backward when block i saves it or block i + 1 saves it (``held``), else it is freed after block i + 1's forward.
+input x_i alive when ``saves_input`` and its output when ``saves_output``. x_{i+1} stays alive when block i saves it or
+block i + 1 saves it (``held``), else it is freed after block i + 1's forward; a held x_{i+1} is freed when the
+backward of the last block that saves it is done (block i's when block i saves it, else block i + 1's).
 Its backward peaks ``backward_peak`` above the bytes alive when it starts without its incoming gradient (which the
 measured peak includes: autograd frees it once used, so it is not alive through the whole backward; for a
 checkpointed block the peak includes
@@ -34,9 +35,19 @@ option combinations, scored by :func:`replay`.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-__all__ = ["OptionCost", "BlockCosts", "ChainCosts", "Replay", "replay", "optimise", "minimum_budget"]
+__all__ = [
+    "OptionCost",
+    "BlockCosts",
+    "ChainCosts",
+    "Replay",
+    "replay",
+    "optimise",
+    "minimum_budget",
+    "reserved_bytes",
+    "settle_ties",
+]
 
 #: states kept per option in the dynamic program; beyond it, Q is bucketed (then exact up to the bucket width)
 MAX_FRONT = 4096
@@ -45,7 +56,9 @@ MAX_FRONT = 4096
 @dataclass(frozen=True)
 class OptionCost:
     """What one block costs under one option (bytes from ``memory.peak``/``memory.saved_bytes``; seconds of a
-    forward + backward of the block alone)."""
+    forward + backward of the block alone). ``resident_bytes``: parameters and buffers the option adds to the block
+    (a few-bit table's levels and boundaries), alive through the whole step; ``spread``: the timing noise of
+    ``seconds`` (half the range of the timed runs; :func:`settle_ties`). Both 0 in plans saved before they existed."""
 
     option: str
     forward_peak: int
@@ -54,6 +67,8 @@ class OptionCost:
     saves_input: bool
     saves_output: bool
     seconds: float
+    resident_bytes: int = 0
+    spread: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -123,10 +138,25 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
         live += blocks[i].gradient_bytes - choice[i].kept - blocks[i].output_bytes
         if i > 0:
             live += blocks[i].input_bytes  # the gradient of x_i
-        if i + 1 < n and _held(blocks, choice, i + 1):
-            live -= blocks[i].output_bytes  # x_{i+1}: its last user's backward is done
+        # a held hidden state is freed when the backward of the last block that saves it is done: x_{i+1} now when
+        # block i saves it; x_i now when block i saves it and block i - 1 does not
+        if i + 1 < n and choice[i].saves_output:
+            live -= blocks[i].output_bytes
+        if i > 0 and choice[i].saves_input and not choice[i - 1].saves_output:
+            live -= blocks[i].input_bytes
     timeline.append(("modules before the chain (backward)", chain.pre_backward_peak))
+    resident = reserved_bytes(chain)
+    timeline = [(label, value + resident) for label, value in timeline]
     return Replay(max(value for _, value in timeline), sum(o.seconds for o in choice), timeline)
+
+
+def reserved_bytes(chain: ChainCosts) -> int:
+    """Bytes every prediction reserves for what options add to the model (``resident_bytes``: few-bit tables):
+    per block, the most any of its options adds. Those bytes are alive at every event of the step, before the
+    block that adds them too, so they are a constant of the chain, not a choice: the optimiser stays exact against
+    :func:`replay`, and a prediction is above the truth by at most the bytes the unchosen options would add (a few
+    KiB; 0 where no option adds any)."""
+    return sum(max(o.resident_bytes for o in block.options) for block in chain.blocks)
 
 
 def _suffix_gradients(blocks: Sequence[BlockCosts]) -> list[int]:
@@ -141,13 +171,14 @@ def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: 
     """From block i under ``a`` to block i + 1 under ``b``: (the largest event that this step decides, minus Q_i;
     the growth of Q).
 
-    Block i's backward starts with Q_i, what block i keeps, x_{i+1} if held, the gradients of blocks > i, the
-    post-chain bytes and the incoming gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what
-    block i keeps and x_{i+1} alive. (Derived from :func:`replay` by summing its updates; tests check it.)"""
+    Block i's backward starts with Q_i, what block i keeps, x_{i+1} if block i saves it (if only block i + 1 does,
+    x_{i+1} was freed with block i + 1's backward), the gradients of blocks > i, the post-chain bytes and the incoming
+    gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what block i keeps and x_{i+1} alive.
+    (Derived from :func:`replay` by summing its updates; tests check it.)"""
     blocks = chain.blocks
     out = blocks[i].output_bytes
     held = a.saves_output or b.saves_input
-    backward = a.kept + (out if held else 0) + chain.post_bytes + suffix[i] + a.backward_peak
+    backward = a.kept + (out if a.saves_output else 0) + chain.post_bytes + suffix[i] + a.backward_peak
     forward = a.kept + out + b.forward_peak
     return max(backward, forward), a.kept + (out if held else 0)
 
@@ -164,25 +195,28 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
     ``budget`` bytes; None when none fits. ``allowed[i]`` restricts block i's options (default: all of them)."""
     blocks = chain.blocks
     n = len(blocks)
+    options = _options(chain, allowed)
+    budget -= reserved_bytes(chain)
     if max(chain.pre_forward_peak, chain.pre_backward_peak) > budget:
         return None
     limit = budget - chain.entry_bytes
-    options = _options(chain, allowed)
     suffix = _suffix_gradients(blocks)
     # state: option index of the current block -> list of (Q, seconds, path)
-    fronts: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+    # a state's cost is (seconds, techniques): among plans of equal time, the one with fewer techniques
+    fronts: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
     for k, option in enumerate(options[0]):
         if option.forward_peak <= limit:
-            fronts[k] = [(0, option.seconds, (k,))]
+            fronts[k] = [(0, (option.seconds, _count(option)), (k,))]
     for i in range(n - 1):
-        following: dict[int, list[tuple[int, float, tuple[int, ...]]]] = {}
+        following: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
         for k, front in fronts.items():
             a = options[i][k]
             for m, b in enumerate(options[i + 1]):
                 event, growth = _transition(chain, suffix, i, a, b)
-                for q, seconds, path in front:
+                for q, (seconds, count), path in front:
                     if q + event <= limit:
-                        following.setdefault(m, []).append((q + growth, seconds + b.seconds, path + (m,)))
+                        cost = (seconds + b.seconds, count + _count(b))
+                        following.setdefault(m, []).append((q + growth, cost, path + (m,)))
         fronts = {m: _pareto(front, limit) for m, front in following.items()}
         if not fronts:
             return None
@@ -190,31 +224,64 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
     for k, front in fronts.items():
         a = options[n - 1][k]
         end = _terminal(chain, a)
-        finals += [(seconds, q + end, path) for q, seconds, path in front if q + end <= limit]
+        finals += [(cost, q + end, path) for q, cost, path in front if q + end <= limit]
     if not finals:
         return None
-    seconds, _, path = min(finals, key=lambda item: (item[0], item[1]))
+    _, _, path = min(finals, key=lambda item: (item[0], item[1]))
     return [options[i][k].option for i, k in enumerate(path)]
 
 
-def _pareto(front: list[tuple[int, float, tuple[int, ...]]], limit: int) -> list[tuple[int, float, tuple[int, ...]]]:
-    """The states no other state beats in both Q and time (Q ascending, time strictly descending)."""
+def _count(option: OptionCost) -> int:
+    """The number of techniques of an option (``"plain"``: none; names are joined by ``+``)."""
+    return 0 if option.option == "plain" else option.option.count("+") + 1
+
+
+def _pareto(front: list, limit: int) -> list:
+    """The states no other state beats in both Q and cost (Q ascending, cost strictly descending)."""
     front.sort(key=lambda item: (item[0], item[1]))
-    kept: list[tuple[int, float, tuple[int, ...]]] = []
-    best = float("inf")
+    kept = []
+    best = (float("inf"), 0)
     for item in front:
         if item[1] < best:
             kept.append(item)
             best = item[1]
     if len(kept) > MAX_FRONT:  # bucket Q (rounded up, so the plan stays within the budget)
         width = max(1, limit // MAX_FRONT)
-        buckets: dict[int, tuple[int, float, tuple[int, ...]]] = {}
-        for q, seconds, path in kept:
+        buckets: dict[int, tuple] = {}
+        for q, cost, path in kept:
             key = -(-q // width)
-            if key not in buckets or seconds < buckets[key][1]:
-                buckets[key] = (key * width, seconds, path)
-        kept = sorted(buckets.values())
+            if key not in buckets or cost < buckets[key][1]:
+                buckets[key] = (key * width, cost, path)
+        kept = sorted(buckets.values(), key=lambda item: (item[0], item[1]))
     return kept
+
+
+def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) -> ChainCosts:
+    """``chain`` with timing noise taken out of the decisions: an option that is not measurably faster than an
+    option ranked before it (its median is not below the other's by more than the sum of their spreads: the noise
+    measured; options without a spread, such as plans saved before it existed, never tie) is charged at least that
+    option's time. With the tie-break of
+    :func:`optimise` (fewer techniques at equal time), a tie goes to the option ranked first, whatever the noise.
+    ``rank[i][k]`` orders block i's options (lower first; default: fewer techniques first, then their order).
+    Bytes are unchanged; an option measurably faster keeps its time."""
+    blocks = []
+    for i, block in enumerate(chain.blocks):
+        order = sorted(
+            range(len(block.options)),
+            key=lambda k: (rank[i][k] if rank is not None else _count(block.options[k]), k),
+        )
+        charged: dict[int, float] = {}
+        for position, k in enumerate(order):
+            o = block.options[k]
+            seconds = o.seconds
+            for j in order[:position]:
+                p = block.options[j]
+                if o.seconds >= p.seconds - (o.spread + p.spread):
+                    seconds = max(seconds, charged[j])
+            charged[k] = seconds
+        options = tuple(replace(o, seconds=charged[k]) for k, o in enumerate(block.options))
+        blocks.append(replace(block, options=options))
+    return replace(chain, blocks=tuple(blocks))
 
 
 def minimum_budget(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None = None) -> int:

@@ -19,11 +19,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import statistics
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import FewBitError
 from .. import memory
@@ -171,12 +174,20 @@ class StepMarks:
 
 
 class _Recorder:
-    """Hooks of the profiling step: the blocks' inputs and the live bytes at the chain's boundaries."""
+    """Hooks of the profiling step: the blocks' inputs and the live bytes at the chain's boundaries.
+
+    The inputs are kept as copies made out of the instrument's sight, and the outputs only by weak reference: a
+    reference to a hidden state would keep it alive through the whole measured step, which the plain step does not
+    (the last block's output, freed at the loss, was counted into ``post_bytes``; every hidden state into the peak
+    after the chain's backward), so predictions came out above the measured peaks."""
 
     def __init__(self, blocks: list[torch.nn.Module], result: memory.Peak) -> None:
         self.blocks, self.result = blocks, result
         self.inputs: list[tuple[tuple, dict] | None] = [None] * len(blocks)
-        self.outputs: list[torch.Tensor | None] = [None] * len(blocks)
+        self.needs_grad: list[bool] = [False] * len(blocks)
+        self.outputs: list[weakref.ref | None] = [None] * len(blocks)
+        self.unchained: int | None = None  # the first block whose input is not the previous block's output
+        self.copies: dict[tuple[str, int], torch.Tensor] = {}
         self.calls: list[int] = []
         self.marks: dict[str, tuple[int, int]] = {}
         self.handles = []
@@ -195,14 +206,20 @@ class _Recorder:
                 self.mark("entry")
                 if hidden.requires_grad:
                     hidden.register_hook(lambda grad: self.mark("chain backward end"))
-            self.inputs[index] = (args, kwargs)
+            else:
+                previous = self.outputs[index - 1]() if self.outputs[index - 1] is not None else None
+                same = previous is not None and memory.storage_key(previous) == memory.storage_key(hidden)
+                if not same and self.unchained is None:
+                    self.unchained = index
+            self.needs_grad[index] = bool(hidden.requires_grad)
+            self.inputs[index] = _copy_unseen((args, kwargs), self.copies)
 
         return hook
 
     def _post(self, index: int):
         def hook(module, args, output):
             hidden = first_tensor(output)
-            self.outputs[index] = hidden
+            self.outputs[index] = weakref.ref(hidden)
             if index == len(self.blocks) - 1:
                 self.mark("exit")
                 if hidden.requires_grad:
@@ -215,13 +232,20 @@ class _Recorder:
             handle.remove()
 
 
-def _detach(value: Any) -> Any:
+def _copy_unseen(value: Any, copies: dict[tuple[str, int], torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by a detached copy made outside the dispatch modes (so
+    :func:`memory.peak` neither counts the copy nor sees the original kept alive); one copy per storage (the
+    keyword inputs the blocks share are copied once)."""
     if isinstance(value, torch.Tensor):
-        return value.detach()
+        key = (*memory.storage_key(value), value.storage_offset(), tuple(value.shape), tuple(value.stride()))
+        if key not in copies:
+            with _disable_current_modes(), torch.no_grad():
+                copies[key] = value.detach().clone()
+        return copies[key]
     if isinstance(value, tuple | list):
-        return type(value)(_detach(v) for v in value)
+        return type(value)(_copy_unseen(v, copies) for v in value)
     if isinstance(value, dict):
-        return {k: _detach(v) for k, v in value.items()}
+        return {k: _copy_unseen(v, copies) for k, v in value.items()}
     return value
 
 
@@ -237,6 +261,40 @@ def _signature(block: torch.nn.Module, args: tuple, kwargs: dict) -> tuple:
 
     parameters = tuple((n, tuple(p.shape), p.requires_grad) for n, p in block.named_parameters())
     return (repr(block), parameters, shape(args), shape(kwargs), block.training)
+
+
+#: the planner's clock (a test replaces it with a fake one to inject timing noise)
+clock = time.perf_counter
+#: a median is stable when one more run moves it by at most this fraction
+STABLE = 0.02
+
+
+def timed(run: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
+    """Time ``run``: at least ``repeats`` runs, then (with ``repeats`` >= 2) more until one more run moves the
+    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all. Returns (median, spread): the
+    spread is half the range of the runs, the noise within which the planner takes two options' times as a tie
+    (:func:`.model.settle_ties`). The median, not the minimum: on a shared machine the minimum of a few runs is
+    the luckiest one, and it differs from option to option by more than the options differ."""
+    times: list[float] = []
+    while True:
+        synchronize(device)
+        start = clock()
+        run()
+        synchronize(device)
+        times.append(clock() - start)
+        if len(times) < repeats:
+            continue
+        if repeats < 2 or len(times) >= 3 * repeats:
+            break
+        if abs(statistics.median(times) - statistics.median(times[:-1])) <= STABLE * statistics.median(times):
+            break
+    return statistics.median(times), (max(times) - min(times)) / 2
+
+
+def _module_bytes(module: torch.nn.Module) -> int:
+    """Bytes of a module's distinct parameter and buffer storages."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return sum({memory.storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
 class _Measure:
@@ -276,15 +334,14 @@ class _Measure:
             "saved_bytes": run.saved_bytes,
             "offloaded_bytes": run.region.bytes,
         }
-        times = []
-        for _ in range(self.repeats):
+
+        def timed_step() -> None:
             for parameter in module.parameters():
                 parameter.grad = None
-            synchronize(args[0].device)
-            start = time.perf_counter()
             self.step(module, option, args, kwargs, needs_grad)
-            synchronize(args[0].device)
-            times.append(time.perf_counter() - start)
+
+        seconds, spread = timed(timed_step, self.repeats, args[0].device)
+        added = _module_bytes(module) - _module_bytes(block)
         cost = OptionCost(
             option=option,
             forward_peak=run.forward_peak,
@@ -292,7 +349,9 @@ class _Measure:
             backward_peak=run.backward_peak,
             saves_input=run.saves_input,
             saves_output=run.saves_output,
-            seconds=min(times),  # the least disturbed run (the machine may be shared)
+            seconds=seconds,
+            resident_bytes=max(added, 0),
+            spread=spread,
         )
         return charge(cost, option, extra), extra
 
@@ -401,10 +460,9 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         raise FewBitError(
             f"the chain's blocks must each run once, in order, in one step; they ran in the order {recorder.calls}"
         )
-    for i in range(1, len(blocks)):
-        hidden = _hidden(*recorder.inputs[i])
-        if hidden.untyped_storage().data_ptr() != recorder.outputs[i - 1].untyped_storage().data_ptr():
-            raise FewBitError(f"block {i} of the chain does not take block {i - 1}'s output as its first input")
+    if recorder.unchained is not None:
+        i = recorder.unchained
+        raise FewBitError(f"block {i} of the chain does not take block {i - 1}'s output as its first input")
     timeline = [value for _, value in result.timeline]
     marks = recorder.marks
     entry_index, entry = marks["entry"]
@@ -420,18 +478,16 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         "post_bytes": start_bytes - exit_bytes,
         "pre_backward_peak": max(timeline[end_index:], default=0),
     }
-    recorded = [(_detach(args), _detach(kwargs), bool(args[0].requires_grad)) for args, kwargs in recorder.inputs]
-    device = recorder.outputs[0].device
-    times = []
-    for _ in range(repeats):
+    inputs, needs_grad = recorder.inputs, recorder.needs_grad
+    recorded = [(args, kwargs, needs) for (args, kwargs), needs in zip(inputs, needs_grad, strict=True)]
+    device = _hidden(*recorded[0][:2]).device
+
+    def step() -> None:
         for parameter in model.parameters():
             parameter.grad = None
-        synchronize(device)
-        start = time.perf_counter()
         loss_fn(model(*example_inputs, **example_kwargs)).backward()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    facts["step_seconds"] = min(times)
+
+    facts["step_seconds"], _ = timed(step, repeats, device)
     for parameter in model.parameters():
         parameter.grad = None
     return facts, recorded

@@ -44,6 +44,7 @@ APPROXIMATE_CHOICES = ("if-needed", "allowed")
 #: own budget gives the same plan)
 APPROXIMATE_DEFAULT = "allowed"
 OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
+OPTION_OPTIONAL = ("resident_bytes", "spread")  # absent in plans saved before they existed (0)
 BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
 CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
 #: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
@@ -75,7 +76,7 @@ def costs_from_json(data: Any, where: str = "costs") -> ChainCosts:
         check_keys(here, block, BLOCK_FIELDS)
         options = []
         for k, option in enumerate(_list(f"{here}.options", block["options"])):
-            check_keys(f"{here}.options[{k}]", option, OPTION_FIELDS)
+            check_keys(f"{here}.options[{k}]", option, OPTION_FIELDS, OPTION_OPTIONAL)
             options.append(OptionCost(**option))
         blocks.append(
             BlockCosts(
@@ -100,6 +101,8 @@ def _check_option(where: str, option: Any) -> None:
     check_boolean(f"{where}.saves_input", option.saves_input)
     check_boolean(f"{where}.saves_output", option.saves_output)
     check_number(f"{where}.seconds", option.seconds, low=0)
+    check_integer(f"{where}.resident_bytes", option.resident_bytes, low=0)
+    check_number(f"{where}.spread", option.spread, low=0)
 
 
 def _check_costs(chain: str, costs: Any) -> None:
