@@ -144,20 +144,19 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(edges[index], edges[index + 1]) for index in range(parts) if edges[index] < edges[index + 1]]
 
 
-def run(kernel, n: int, *args, threads: int | None = None) -> None:
+def run(kernel, n: int, *args, threads: int | None = None):
     """``kernel(*args, start, stop)`` over [0, n): in the calling thread for small n, else split over ``threads``
-    (default ``torch.get_num_threads()``) ranges, one of them in the calling thread."""
+    (default ``torch.get_num_threads()``) ranges, one of them in the calling thread. Returns the sum of the parts'
+    results for a kernel that returns a count (the quantize kernels count non-finite elements), else None."""
     if n <= 0:
-        return
+        return None
     if threads is None:
         import torch
 
         threads = torch.get_num_threads()
     parts = split(n, min(threads, max(1, n // MIN_TASK)))
     if len(parts) == 1:
-        kernel(*args, 0, n)
-        return
+        return kernel(*args, 0, n)
     futures = [_pool().submit(kernel, *args, start, stop) for start, stop in parts[1:]]
-    kernel(*args, *parts[0])
-    for future in futures:
-        future.result()
+    results = [kernel(*args, *parts[0])] + [future.result() for future in futures]
+    return None if results[0] is None else sum(results)

@@ -24,6 +24,10 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
 * float16 / bfloat16: code = table[bit pattern] (every 16-bit pattern has its code).
 * float64 (and float32 without a table): interval = len(boundaries) - #(x < boundary), NaN in the last interval.
 
+Every quantize kernel returns the number of non-finite elements (NaN, +-inf) of its range, read from the same
+loads (the exponent bits), so the forward's non-finite record (:func:`~.ops.nonfinite_record`) needs no pass of its
+own over x in the common, all-finite case.
+
 Backward (``unpack_scale``): grad_input = grad * levels[code] (+0 where the level is 0, as torch selects), fused
 unpack + lookup + multiply per group.
 """
@@ -74,6 +78,7 @@ SPLIT_MULTI = 0x200  # ... that holds several (resolved by a binary search)
 _SPLIT_MULTI = np.uint64(SPLIT_MULTI)
 MULTI = 0xFF00  # the lut entry of such a bucket (ops.MULTI)
 _MULTI = np.uint64(MULTI)
+_EXPONENT32 = np.uint64(0x7F80)  # the exponent bits of a float32's high half: all set for NaN and +-inf
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -98,11 +103,13 @@ def _make_quantize_pack_lut32(bits: int):
     def quantize_pack_lut32(x_halves, direct, lut, x, boundaries, interval_codes, out, start, stop):
         # x_halves: float32 x as uint16 pairs (low, high) per element, so the bucket (top 16 bits) is one load
         buffer = np.empty(CHUNK, dtype=np.uint8)
+        nonfinite = _u64(0)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             base = chunk * _2
             for i in range(count):
                 bucket = _u64(x_halves[base + _2 * i + _1])
+                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
                 code = _u64(direct[bucket])
                 if code == _SPLIT:
                     entry = _u64(lut[bucket])
@@ -112,6 +119,7 @@ def _make_quantize_pack_lut32(bits: int):
                     code = _search_code(x[chunk + i], boundaries, interval_codes)
                 buffer[i] = _u8(code)
             _pack_buffer(buffer, count, BITS, out, chunk // _8)
+        return nonfinite
 
     return quantize_pack_lut32
 
@@ -139,13 +147,16 @@ def _make_quantize_pack_lut32_branchless(bits: int):
         # and picks A or B with arithmetic, not a branch: code = A * above + B * (1 - above), above = low16 >= t.
         # The only branch, for the rare buckets holding several boundaries (entry MULTI), is almost never taken.
         buffer = np.empty(CHUNK, dtype=np.uint8)
+        nonfinite = _u64(0)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             base = chunk * _2
             # 8 bits: one code per byte, written in place (no buffer, no packing); BITS is a compile-time constant
             target = out[chunk : chunk + count] if BITS == _8 else buffer
             for i in range(count):
-                entry = _u64(lut[_u64(x_halves[base + _2 * i + _1])])
+                bucket = _u64(x_halves[base + _2 * i + _1])
+                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
+                entry = _u64(lut[bucket])
                 if entry == _MULTI:
                     target[i] = _u8(_search_code(x[chunk + i], boundaries, interval_codes))
                     continue
@@ -153,6 +164,7 @@ def _make_quantize_pack_lut32_branchless(bits: int):
                 target[i] = _u8((((entry >> _8) & _FF) * above) | ((entry & _FF) * (_1 - above)))
             if BITS != _8:
                 _pack_buffer(buffer, count, BITS, out, chunk // _8)
+        return nonfinite
 
     return quantize_pack_lut32_branchless
 
@@ -171,33 +183,44 @@ def quantize_pack_lut32_branchless(bits: int):
 
 
 @numba.njit(cache=True, nogil=True)
-def quantize_pack_lut16(x_bits, lut, bits, out, start, stop):
-    """Codes of 16-bit floats (``x_bits``: uint16 bit patterns): code = lut[pattern], packed into ``out``."""
+def quantize_pack_lut16(x_bits, lut, exponent, bits, out, start, stop):
+    """Codes of 16-bit floats (``x_bits``: uint16 bit patterns): code = lut[pattern], packed into ``out``; returns the
+    number of non-finite elements (``exponent``: the exponent mask, 0x7C00 for float16, 0x7F80 for bfloat16)."""
     ubits = _u64(bits)
+    mask = _u64(exponent)
     buffer = np.empty(CHUNK, dtype=np.uint8)
+    nonfinite = _u64(0)
     for chunk in range(_u64(start), _u64(stop), _CHUNK):
         count = min(_CHUNK, _u64(stop) - chunk)
         for i in range(count):
-            buffer[i] = lut[_u64(x_bits[chunk + i])]
+            pattern = _u64(x_bits[chunk + i])
+            nonfinite += _u64((pattern & mask) == mask)
+            buffer[i] = lut[pattern]
         _pack_buffer(buffer, count, ubits, out, chunk // _8)
+    return nonfinite
 
 
 @numba.njit(cache=True, nogil=True)
 def quantize_pack_compare(x, boundaries, interval_codes, bits, out, start, stop):
-    """Codes of x (float32 or float64, compared in its own dtype with ``boundaries``), packed into ``out``."""
+    """Codes of x (float32 or float64, compared in its own dtype with ``boundaries``), packed into ``out``; returns
+    the number of non-finite elements."""
     ubits = _u64(bits)
     count_boundaries = _u64(boundaries.size)
     buffer = np.empty(CHUNK, dtype=np.uint8)
+    nonfinite = _u64(0)
     for chunk in range(_u64(start), _u64(stop), _CHUNK):
         count = min(_CHUNK, _u64(stop) - chunk)
         for i in range(count):
             # interval = number of boundaries <= x = len(boundaries) - #(x < boundary); NaN: the last interval
             value = x[chunk + i]
+            difference = value - value  # NaN exactly when value is NaN or +-inf
+            nonfinite += _u64(difference != difference)
             interval = count_boundaries
             for j in range(count_boundaries):
                 interval -= _u64(value < boundaries[j])
             buffer[i] = interval_codes[interval]
         _pack_buffer(buffer, count, ubits, out, chunk // _8)
+    return nonfinite
 
 
 def _make_unpack_scale(bits: int):

@@ -54,6 +54,7 @@ from .backends import (
     decode_table,
     direct_lut32,
     encode_table,
+    forward_numba,
     quantize,
     quantize_numba,
     quantize_reference,
@@ -81,6 +82,7 @@ __all__ = [
     "quantize_reference",
     "scale_reference",
     "quantize_numba",
+    "forward_numba",
     "scale_numba",
     "quantize_triton",
     "scale_triton",
@@ -147,7 +149,7 @@ def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
     ``positions`` are int64 indices into x flattened in logical (row-major) order, ``values`` x's NaN / +-inf there
     (x's dtype). The common, all-finite case costs one reduction over x (:func:`_maybe_nonfinite`) and saves
-    nothing.
+    nothing. (The numba forward, :func:`~.backends.forward_numba`, counts non-finite elements in its kernels instead.)
     """
     detached = x.detach()
     if detached.numel() == 0 or not bool(_maybe_nonfinite(detached)):
@@ -206,10 +208,15 @@ class _FewBitFunction(torch.autograd.Function):
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None
+            y = native(x)
+        elif backend_for(x.device) == "numba":
+            # codes and y in one pass over x (blocks in cache), the non-finite count from the same loads
+            y, packed, record = forward_numba(x, native, boundaries, interval_codes, bits)
+            positions, values = record or (None, None)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
             positions, values = nonfinite_record(x) or (None, None)
-        y = native(x)
+            y = native(x)
         return y, packed, positions, values
 
     @staticmethod
