@@ -46,6 +46,7 @@ from .._numba_packing import (
     MIN_TASK,
     _1,
     _2,
+    _7,
     _8,
     _16,
     _load_word,
@@ -69,6 +70,8 @@ __all__ = [
     "quantize_pack_lut16",
     "quantize_pack_compare",
     "unpack_scale",
+    "unpack_scale16",
+    "float32_to_16",
     "warm_up",
 ]
 
@@ -257,6 +260,103 @@ def unpack_scale(bits: int):
     """The backward kernel for ``bits``: ``kernel(grad, packed, levels, out, start, stop)`` writes
     out = grad * levels[code] (in the dtype of grad and levels), codes unpacked from ``packed``."""
     return _make_unpack_scale(bits)
+
+
+_SIGN32 = np.uint64(0x7FFFFFFF)
+_INF32 = np.uint64(0x7F800000)
+_HALF_OVERFLOW = np.uint64(0x47800000)  # 2^16 in float32: at or above, float16 infinity (or NaN)
+_HALF_NORMAL = np.uint64(0x38800000)  # 2^-14 in float32: below, a float16 subnormal or zero
+_HALF_REBIAS = np.uint64(0x38000000 - 0xFFF)  # (127 - 15) << 23, less the rounding bias 0xFFF
+_HALF_MAGIC = np.uint64(0x3F000000)  # 0.5 in float32: |x| + 0.5 rounds |x| to float16's subnormal step (2^-24)
+_13 = np.uint64(13)
+
+
+@numba.njit(cache=True, inline="always")
+def _to_bfloat16(word):
+    """The bfloat16 bit pattern of the float32 bit pattern ``word``: round to nearest even, every NaN -> 0xFFFF (what
+    torch's conversion gives)."""
+    if (word & _SIGN32) > _INF32:
+        return np.uint64(0xFFFF)
+    return (word + np.uint64(0x7FFF) + ((word >> _16) & _1)) >> _16
+
+
+@numba.njit(cache=True, inline="always")
+def _to_float16(word, magnitude, scratch, scratch_bits):
+    """The float16 bit pattern of the float32 bit pattern ``word`` (``magnitude``: its absolute value as a float32):
+    round to nearest even, overflow to infinity, NaN quieted with the top of its payload kept (torch's conversion,
+    F16C). ``scratch``: a one-element float32 array and its uint32 view, for the subnormal case."""
+    sign = (word >> _16) & np.uint64(0x8000)
+    absolute = word & _SIGN32
+    if absolute >= _HALF_OVERFLOW:
+        if absolute > _INF32:
+            return sign | np.uint64(0x7E00) | ((absolute >> _13) & np.uint64(0x3FF))
+        return sign | np.uint64(0x7C00)
+    if absolute < _HALF_NORMAL:
+        scratch[0] = magnitude + np.float32(0.5)  # the addition rounds to the subnormal step, to nearest even
+        return sign | (_u64(scratch_bits[0]) - _HALF_MAGIC)
+    odd = (absolute >> _13) & _1
+    return sign | ((absolute - _HALF_REBIAS + odd) >> _13)
+
+
+def _make_unpack_scale16(bits: int, bfloat: bool):
+    BITS = np.uint64(bits)
+    MASK = np.uint64((1 << bits) - 1)
+    BFLOAT = bfloat
+
+    @numba.njit(cache=True, nogil=True)
+    def unpack_scale16(grad_bits, packed, levels, decode, out_bits, start, stop):
+        # per chunk: grad -> float32 (bfloat16: the pattern << 16; float16: the table ``decode``), times the level
+        # (+0 at a zero level), rounded back to 16 bits; the chunk's float32 buffer stays in L1
+        buffer = np.empty(CHUNK, dtype=np.float32)
+        words = buffer.view(np.uint32)
+        scratch = np.empty(1, dtype=np.float32)
+        scratch_bits = scratch.view(np.uint32)
+        zero = np.float32(0)
+        for chunk in range(_u64(start), _u64(stop), _CHUNK):
+            count = min(_CHUNK, _u64(stop) - chunk)
+            if BFLOAT:
+                for i in range(count):
+                    words[i] = numba.uint32(_u64(grad_bits[chunk + i]) << _16)
+            else:
+                for i in range(count):
+                    buffer[i] = decode[_u64(grad_bits[chunk + i])]
+            for group in range((count + _7) // _8):
+                word = _load_word(packed, chunk // _8 + group, BITS)
+                for k in range(min(_8, count - group * _8)):
+                    level = levels[(word >> (k * BITS)) & MASK]
+                    product = buffer[group * _8 + k] * level
+                    buffer[group * _8 + k] = product if level != 0 else zero
+            for i in range(count):
+                if BFLOAT:
+                    out_bits[chunk + i] = numba.uint16(_to_bfloat16(_u64(words[i])))
+                else:
+                    out_bits[chunk + i] = numba.uint16(
+                        _to_float16(_u64(words[i]), abs(buffer[i]), scratch, scratch_bits)
+                    )
+
+    return unpack_scale16
+
+
+@functools.cache
+def unpack_scale16(bits: int, bfloat: bool):
+    """The backward kernel for float16 (``bfloat`` False) or bfloat16 gradients: ``kernel(grad_bits, packed, levels,
+    decode, out_bits, start, stop)`` with the gradient and the result as uint16 bit patterns, float32 ``levels``, and
+    ``decode`` the float32 value of every float16 pattern (unused for bfloat16, whose value is the pattern << 16).
+    Computes in float32 and rounds once, as :func:`unpack_scale` on the float32 copy did, without the copies."""
+    return _make_unpack_scale16(bits, bfloat)
+
+
+@numba.njit(cache=True)
+def float32_to_16(words, bfloat, out):
+    """The 16-bit patterns of float32 patterns ``words`` (uint32) as the backward rounds them (for tests)."""
+    scratch = np.empty(1, dtype=np.float32)
+    scratch_bits = scratch.view(np.uint32)
+    values = words.view(np.float32)
+    for i in range(words.size):
+        if bfloat:
+            out[i] = numba.uint16(_to_bfloat16(_u64(words[i])))
+        else:
+            out[i] = numba.uint16(_to_float16(_u64(words[i]), abs(values[i]), scratch, scratch_bits))
 
 
 def warm_up(bits: int = 3) -> None:

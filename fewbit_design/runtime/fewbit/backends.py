@@ -307,11 +307,6 @@ def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 _NUMPY_ALLOCATION_BYTES = 1 << 22
 
 
-#: Elements per block of the float16 / bfloat16 backward on CPU (a multiple of 8 and of CHUNK): its two float32 buffers
-#: take 8 * SCALE_BLOCK bytes (4 MiB), enough for every thread of the pool to get a part of each block.
-SCALE_BLOCK = 1 << 19
-
-
 _NUMPY_DTYPES = (torch.float32, torch.float64, torch.uint8)
 
 
@@ -461,23 +456,25 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
         out = _empty_cpu(numel, flat.dtype)
         kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
         return out.reshape(grad.shape)
-    # float16 / bfloat16 gradients: computed in float32 and rounded once, a block of SCALE_BLOCK elements at a time
-    # (two float32 buffers of one block), so the backward's memory stays that of the gradients (issue 20.14: a
-    # whole-tensor float32 copy and product took 4x the gradient's bytes)
+    # float16 / bfloat16 gradients: read and written as 16-bit patterns, computed in float32 in the kernel and
+    # rounded once as torch rounds (no float32 copy of the gradient: issue 20.14's memory, issue 22's two passes)
     out = torch.empty(numel, dtype=grad.dtype)
-    block = min(numel, SCALE_BLOCK)
-    grad32 = torch.empty(block, dtype=levels.dtype)
-    out32 = torch.empty(block, dtype=levels.dtype)
-    for start in range(0, numel, block):
-        stop = min(start + block, numel)
-        count = stop - start
-        grad32[:count].copy_(flat[start:stop])
-        # a block starts on a group of 8 elements (SCALE_BLOCK is a multiple of 8): its codes start at byte
-        # start // 8 * bits
-        codes = packed_np[start // 8 * bits : packed_nbytes(stop, bits)]
-        kernels.run(kernel, count, grad32[:count].numpy(), codes, levels_np, out32[:count].numpy())
-        out[start:stop].copy_(out32[:count])
+    bfloat = grad.dtype == torch.bfloat16
+    kernel = kernels.unpack_scale16(bits, bfloat)
+    decode = _FLOAT16_VALUES if bfloat else _float16_values()
+    grad_bits = flat.view(torch.int16).numpy().view(np.uint16)
+    out_bits = out.view(torch.int16).numpy().view(np.uint16)
+    kernels.run(kernel, numel, grad_bits, packed_np, levels_np, decode, out_bits)
     return out.reshape(grad.shape)
+
+
+_FLOAT16_VALUES = np.zeros(1, dtype=np.float32)  # bfloat16 needs no table (its value is the pattern << 16)
+
+
+@functools.cache
+def _float16_values() -> np.ndarray:
+    """The float32 value of every float16 bit pattern (float32[65536], exact)."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
