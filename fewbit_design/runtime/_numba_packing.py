@@ -154,6 +154,8 @@ def run(kernel, n: int, *args, threads: int | None = None):
         import torch
 
         threads = torch.get_num_threads()
+    if threads <= 1 or n < 2 * MIN_TASK:  # one part: no split, no pool (the fixed cost of a small call)
+        return kernel(*args, 0, n)
     parts = split(n, min(threads, max(1, n // MIN_TASK)))
     if len(parts) == 1:
         return kernel(*args, 0, n)

@@ -198,6 +198,16 @@ class _FewBitFunction(torch.autograd.Function):
     #
     # forward / setup_context are separate (torch.func needs it): forward returns what backward needs beside y
     # (packed codes, the record) as extra outputs that fewbit_activation drops, and setup_context saves them.
+    @classmethod
+    def apply(cls, *args):
+        # torch's Function.apply binds the arguments to forward's signature with inspect.signature on every call
+        # (about 20 us, as much as a native GELU of 2^14 elements); every caller here passes all seven positionally,
+        # so that binding is the identity: eager calls outside torch.func go straight to the C++ apply, as torch's
+        # own apply does after binding. torch.compile and torch.func keep torch's path.
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+
     @staticmethod
     def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise

@@ -200,3 +200,25 @@ def test_16_bit_backward_makes_no_float32_copy_of_the_gradient(monkeypatch):
     monkeypatch.setattr(torch, "empty", recording_empty)
     op.scale_numba(grad, packed, tensors.levels32, 3)
     assert [numel for dtype, numel in made if dtype == torch.float32] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the fixed cost of a call
+
+
+def test_eager_call_skips_torchs_argument_binding(monkeypatch):
+    # issue 22.5: torch's Function.apply ran inspect.signature(forward).bind(...) on every call, about 20 us (a native
+    # GELU of 2^14 elements); the few-bit op passes every argument positionally and skips it in eager mode
+    def binding_apply(cls, *args, **kwargs):
+        raise AssertionError("torch's Function.apply (inspect.signature(...).bind) ran on the eager path")
+
+    table = random_table(bits=3, seed=8)
+    x = sample(1000, torch.float32).requires_grad_()
+    grad = sample(1000, torch.float32, seed=9)
+    monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(binding_apply))
+    y = op.fewbit_activation(x, F.gelu, op.table_tensors(table))
+    (result,) = torch.autograd.grad(y, x, grad)
+    assert same_bits(y.detach(), F.gelu(x.detach()))
+    tensors = op.table_tensors(table)
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
