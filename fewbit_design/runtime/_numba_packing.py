@@ -102,12 +102,16 @@ def pack_codes(codes, bits, out, start, stop):
 
 @numba.njit(cache=True, nogil=True)
 def unpack_codes(packed, bits, out, start, stop):
-    """Unpack codes [start, stop) from ``packed`` into ``out`` (int64)."""
+    """Unpack codes [start, stop) from ``packed`` into ``out`` (any integer dtype): one word load per group."""
     ubits = _u64(bits)
     mask = _low_mask(ubits)
-    for i in range(_u64(start), _u64(stop)):
-        word = _load_word(packed, i // _8, ubits)
-        out[i] = numba.int64((word >> ((i % _8) * ubits)) & mask)
+    begin = _u64(start)
+    end = _u64(stop)
+    for group in range(begin // _8, (end + _7) // _8):
+        word = _load_word(packed, group, ubits)
+        base = group * _8
+        for i in range(max(base, begin), min(base + _8, end)):
+            out[i] = (word >> ((i - base) * ubits)) & mask
 
 
 # ----------------------------------------------------------------------------------------------------------------------
