@@ -375,6 +375,11 @@ def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: to
 #: torch uses, large enough that the per-block Python cost (two kernel calls, a copy) stays a few percent of the
 #: native op, small enough that the block is still in L2 (x and y: 2 MiB in float32) when the native op reads it.
 FORWARD_BLOCK = 1 << 18
+#: Inputs of fewer bytes run the codes over all of x, then the native op: x is still in the last-level cache when the
+#: second pass reads it, and a block costs a temporary output and its copy into y. Measured on the 2-core dev machine
+#: (32 MiB L3, loaded, one thread, GELU 3 bits, median of 9 interleaved rounds): at 2^22 float32 the blocks took 3.7x
+#: native against 1.9x for the two passes, at 2^24 float32 1.00x against 1.37x.
+FORWARD_BLOCKED_BYTES = 32 << 20
 # torch runs a one-element tensor through its scalar loop (stride 0), while the same element at the end of a longer
 # tensor takes the vector loop's tail, and the two differ in the last bit for gelu, silu, ...: a remainder shorter
 # than two vectors of the widest SIMD (64 elements) is processed with the block before it.
@@ -394,16 +399,18 @@ def forward_numba(
     anyway), else (positions, values) as :func:`~.ops.nonfinite_record` gives them; like the codes, it is taken before
     ``native`` sees the elements (a user fn might work in place).
 
-    With one torch thread and a contiguous x, x is processed in blocks of :data:`FORWARD_BLOCK` elements: the codes of
-    the block (which loads it into cache), then ``native`` on the block, written into y. Blocks start at multiples of
-    every vector width, as torch's own serial loop does, so every element takes the same (vector or scalar) path as in
-    ``native(x)``: y is bitwise ``native(x)`` (torch's scalar and vector paths differ in the last bit for gelu, silu,
-    sigmoid, ...). With several torch threads, torch cuts ``native(x)`` at op-specific places (gelu's grain differs
-    from sigmoid's), which blocks cannot follow exactly: there the codes run first over all of x (split over the
-    kernel threads), then ``native(x)`` once, as do non-contiguous inputs (y keeps native's strides).
+    With one torch thread and a contiguous x of at least :data:`FORWARD_BLOCKED_BYTES`, x is processed in blocks of
+    :data:`FORWARD_BLOCK` elements: the codes of the block (which loads it into cache), then ``native`` on the block,
+    written into y. Blocks start at multiples of every vector width, as torch's own serial loop does, so every
+    element takes the same (vector or scalar) path as in ``native(x)``: y is bitwise ``native(x)`` (torch's scalar
+    and vector paths differ in the last bit for gelu, silu, sigmoid, ...). With several torch threads, torch cuts
+    ``native(x)`` at op-specific places (gelu's grain differs from sigmoid's), which blocks cannot follow exactly:
+    there, as for smaller and non-contiguous inputs (y keeps native's strides), the codes run first over all of x
+    (split over the kernel threads), then ``native(x)`` once.
     """
     numel = x.numel()
-    if torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
+    small = numel * x.element_size() < FORWARD_BLOCKED_BYTES
+    if small or torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
         packed, nonfinite = _codes_numba(x, boundaries, interval_codes, bits)
         record = _nonfinite_positions(x.detach().reshape(-1), 0) if nonfinite else None
         return native(x), packed, record

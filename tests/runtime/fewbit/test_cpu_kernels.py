@@ -29,6 +29,7 @@ NATIVES = {
 @pytest.fixture
 def one_thread(monkeypatch):
     monkeypatch.setattr(backends, "FORWARD_BLOCK", BLOCK)
+    monkeypatch.setattr(backends, "FORWARD_BLOCKED_BYTES", 0)
     previous = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
