@@ -383,8 +383,9 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
     native = backward_peak(torch.nn.GELU(), x, grad)
     assert native >= numel * 2  # the instrument sees the gradient
     # no float32 copy beside the gradient (issue 20.14: 5x the gradient's bytes; issue 22: the kernel reads and writes
-    # 16 bits, in float32 only per chunk of CHUNK elements in registers and L1)
-    assert fewbit <= native + 65536, (fewbit, native)
+    # 16 bits, in float32 only per chunk of CHUNK elements). The slack, 1 MiB (an eighth of a float32 copy), covers
+    # Python objects of a call (numba's argument boxing, the pool's futures: 45-85 KB traced by tracemalloc)
+    assert fewbit <= native + (1 << 20), (fewbit, native)
 
 
 # --------------------------------------------------------------------- 20.8 for BLPA's convert: all or nothing
