@@ -1,20 +1,29 @@
 """Few-bit activations against the native torch modules: forward, backward and forward+backward time, saved bytes.
 
-For each activation, bit width and size (float32, 1-D, requires_grad like an activation in training) it times, with
+For each activation, bit width, dtype and size (1-D, requires_grad like an activation in training) it times, with
 native and few-bit measurements interleaved in the same run:
 
 * forward:           ``module(x)`` (the native module saves x or its output; the few-bit one packs codes);
 * backward:          ``torch.autograd.grad(y, x, grad)`` on a graph built once (retained);
 * forward+backward:  ``torch.autograd.grad(module(x), x, grad)``;
 
-and reports medians and few-bit / native ratios, plus the bytes saved for backward
-(``fewbit_design.runtime.memory.saved_bytes``). Tables: the shipped table when there is one, else one designed now
-with ``fewbit_design.design`` (said in the output). Prints a table and writes a CSV.
+and reports medians and few-bit / native ratios (the ratio of medians, and the quartiles of the per-round ratios:
+the spread over repeats), plus the bytes saved for backward (``fewbit_design.runtime.memory.saved_bytes``).
 
-    python benchmarks/runtime_speed.py                              # gelu,silu,relu,sigmoid,tanh; bits 1-4; 2^16..2^24
-    python benchmarks/runtime_speed.py --activations gelu,silu --bits 3 --sizes 24
+Each ratio is printed beside its traffic limit (issue 22): with s bytes per element and b bits per code, native moves
+2s per element forward (read x, write y) and 3s backward (read grad and x or y, write the gradient); few-bit moves
+2s + b/8 forward (codes written) and 2s + b/8 backward (codes read), so the ideal ratios of a bandwidth-bound op are
+(2s + b/8) / 2s forward, (2s + b/8) / 3s backward and (4s + b/4) / 5s over both (0.81 in float32 at 1 bit).
+Activations whose derivative is costly (GELU) can beat the limit, since few-bit's backward skips f'.
+
+Tables: the shipped table when there is one, else one designed now with ``fewbit_design.design`` (said in the
+output). Prints a table and writes a CSV.
+
+    python benchmarks/runtime_speed.py                              # 5 activations, bits 1-4 and 8, float32 and
+                                                                    # bfloat16, 2^14..2^26 (the full mode: hours)
+    python benchmarks/runtime_speed.py --activations gelu,silu --bits 3 --dtypes bfloat16 --sizes 18,22
     python benchmarks/runtime_speed.py --clock process --threads 1  # CPU seconds: robust on a busy machine
-    python benchmarks/runtime_speed.py --quick                      # smoke test
+    python benchmarks/runtime_speed.py --quick                      # seconds: gelu, 3 bits, both dtypes, 2^12, 2^14
 """
 
 from __future__ import annotations
@@ -37,6 +46,23 @@ import harness  # noqa: E402
 
 DEFAULT_ACTIVATIONS = "gelu,silu,relu,sigmoid,tanh"
 KINDS = ("forward", "backward", "forward+backward")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
+
+
+def traffic_limit(kind: str, element_bytes: int, bits: int) -> float:
+    """The few-bit / native ratio of bytes moved per element (see the module docstring)."""
+    codes = bits / 8
+    native = {"forward": 2, "backward": 3, "forward+backward": 5}[kind] * element_bytes
+    fewbit = {"forward": 2 * element_bytes + codes, "backward": 2 * element_bytes + codes}
+    fewbit["forward+backward"] = fewbit["forward"] + fewbit["backward"]
+    return fewbit[kind] / native
+
+
+def round_ratios(timings: harness.Timings) -> tuple[float, float]:
+    """Quartiles of the per-round ratios few-bit / native (rounds are interleaved, so each pair shares its spell of
+    machine load)."""
+    ratios = [f / n for f, n in zip(timings["fewbit"].samples, timings["native"].samples, strict=True)]
+    return harness.Timing(tuple(ratios)).quartiles
 
 
 def get_table(name: str, bits: int) -> tuple[object, str]:
@@ -58,12 +84,12 @@ def modules(name: str, table) -> tuple[torch.nn.Module, torch.nn.Module]:
     return native_class(), fewbit_class(table=table)
 
 
-def measure(native, fewbit, n: int, repeats: int, clock) -> dict[str, harness.Timings]:
+def measure(native, fewbit, n: int, dtype: torch.dtype, repeats: int, clock) -> dict[str, harness.Timings]:
     """Timings of forward, backward, forward+backward for both modules (baseline: native), interleaved; rounds
     alternate which module goes first. One warm-up call each (numba compile or cache load, the allocator)."""
     generator = torch.Generator().manual_seed(n)
-    x = torch.randn(n, generator=generator).requires_grad_()
-    grad = torch.randn(n, generator=generator)
+    x = torch.randn(n, generator=generator).to(dtype).requires_grad_()
+    grad = torch.randn(n, generator=generator).to(dtype)
     candidates = {"native": native, "fewbit": fewbit}
     graphs = {key: module(x) for key, module in candidates.items()}
     runs = {
@@ -94,8 +120,11 @@ def saved(module, n: int) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--activations", default=DEFAULT_ACTIVATIONS, help="comma-separated names, or 'all'")
-    parser.add_argument("--bits", default="1,2,3,4", help="comma-separated bit widths")
-    parser.add_argument("--sizes", default="16,20,24", help="comma-separated log2 of the number of elements")
+    parser.add_argument("--bits", default="1,2,3,4,8", help="comma-separated bit widths")
+    parser.add_argument("--dtypes", default="float32,bfloat16", help=f"comma-separated, of {', '.join(DTYPES)}")
+    parser.add_argument(
+        "--sizes", default="14,16,18,20,22,24,26", help="comma-separated log2 of the number of elements"
+    )
     harness.add_options(
         parser,
         out=harness.RESULTS / "runtime_speed.csv",
@@ -107,11 +136,15 @@ def main(argv: list[str] | None = None) -> int:
             "threads": "torch (and few-bit kernel) threads; 0: torch default",
         },
     )
-    parser.add_argument("--quick", action="store_true", help="tiny sizes, one activation, 3 bits: a smoke test")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes, gelu, 3 bits, both dtypes: seconds")
     args = parser.parse_args(argv)
 
     if args.quick:
         args.activations, args.bits, args.sizes, args.repeats = "gelu", "3", "12,14", args.repeats or 3
+    unknown = [d for d in args.dtypes.split(",") if d not in DTYPES]
+    if unknown:
+        raise SystemExit(f"--dtypes takes {', '.join(DTYPES)}, got {unknown[0]!r}")
+    dtypes = [DTYPES[d] for d in args.dtypes.split(",")]
     names = (
         activations.names()
         if args.activations == "all"
@@ -130,43 +163,46 @@ def main(argv: list[str] | None = None) -> int:
         for bits in bit_widths:
             table, source = get_table(name, bits)
             native, fewbit = modules(name, table)
-            for n in sizes:
-                repeats = args.repeats or (25 if n <= 2**16 else 11 if n <= 2**20 else 7)
-                timings = measure(native, fewbit, n, repeats, clock)
-                row = {"activation": name, "bits": bits, "numel": n, "table": source}
-                for kind in KINDS:
-                    row[f"{kind}_native_ms"] = 1e3 * timings[kind]["native"].median
-                    row[f"{kind}_fewbit_ms"] = 1e3 * timings[kind]["fewbit"].median
-                    row[f"{kind}_ratio"] = timings[kind].ratio("fewbit")
-                row["saved_native_bytes"] = saved(native, n)
-                row["saved_fewbit_bytes"] = saved(fewbit, n)
-                row["saved_ratio"] = row["saved_fewbit_bytes"] / row["saved_native_bytes"]
-                rows.append(row)
-                parts = [f"{name:>10s} {bits}b 2^{n.bit_length() - 1:<2d} ({source}):"]
-                for kind, label in (("forward", "fwd"), ("backward", "bwd"), ("forward+backward", "fwd+bwd")):
-                    few, nat, ratio = row[f"{kind}_fewbit_ms"], row[f"{kind}_native_ms"], row[f"{kind}_ratio"]
-                    parts.append(f"{label} {few:8.2f} / {nat:8.2f} ms = {ratio:.2f}x")
-                parts.append(
-                    f"saved {row['saved_fewbit_bytes']} / {row['saved_native_bytes']} B = {row['saved_ratio']:.3f}x"
-                )
-                print("  ".join(parts), flush=True)
+            for dtype in dtypes:
+                element = torch.empty((), dtype=dtype).element_size()
+                for n in sizes:
+                    repeats = args.repeats or (25 if n <= 2**16 else 11 if n <= 2**20 else 7)
+                    timings = measure(native, fewbit, n, dtype, repeats, clock)
+                    row = {"activation": name, "bits": bits, "dtype": str(dtype)[6:], "numel": n, "table": source}
+                    for kind in KINDS:
+                        row[f"{kind}_native_ms"] = 1e3 * timings[kind]["native"].median
+                        row[f"{kind}_fewbit_ms"] = 1e3 * timings[kind]["fewbit"].median
+                        row[f"{kind}_ratio"] = timings[kind].ratio("fewbit")
+                        row[f"{kind}_ratio_q1"], row[f"{kind}_ratio_q3"] = round_ratios(timings[kind])
+                        row[f"{kind}_limit"] = traffic_limit(kind, element, bits)
+                    row["saved_native_bytes"] = saved(native, n)
+                    row["saved_fewbit_bytes"] = saved(fewbit, n)
+                    row["saved_ratio"] = row["saved_fewbit_bytes"] / row["saved_native_bytes"]
+                    rows.append(row)
+                    parts = [f"{name:>8s} {bits}b {row['dtype']:>8s} 2^{n.bit_length() - 1:<2d}:"]
+                    for kind, label in (("forward", "fwd"), ("backward", "bwd"), ("forward+backward", "f+b")):
+                        parts.append(
+                            f"{label} {row[f'{kind}_fewbit_ms']:7.2f}/{row[f'{kind}_native_ms']:7.2f} ms "
+                            f"{row[f'{kind}_ratio']:.2f}x [{row[f'{kind}_ratio_q1']:.2f}-{row[f'{kind}_ratio_q3']:.2f}]"
+                            f" (limit {row[f'{kind}_limit']:.2f})"
+                        )
+                    parts.append(f"saved {row['saved_ratio']:.3f}x ({source})")
+                    print("  ".join(parts), flush=True)
 
-    print("\nforward+backward time ratio few-bit / native (median):")
-    header = "activation bits " + " ".join(f"{'2^' + str(n.bit_length() - 1):>7s}" for n in sizes)
-    print(header)
-    for name in names:
-        for bits in bit_widths:
-            cells = [r["forward+backward_ratio"] for r in rows if r["activation"] == name and r["bits"] == bits]
-            print(f"{name:>10s} {bits:4d} " + " ".join(f"{c:7.2f}" for c in cells))
-
-    if 3 in bit_widths and len(bit_widths) > 1:
-        print("\nforward+backward time of few-bit at b bits / at 3 bits (median; issue 12: 5-8 bits at most 1.1x):")
-        print(header)
+    header = "activation bits    dtype " + " ".join(f"{'2^' + str(n.bit_length() - 1):>7s}" for n in sizes)
+    for kind in KINDS:
+        print(f"\n{kind} time ratio few-bit / native (median; traffic limit in the last column):")
+        print(header + "   limit")
         for name in names:
-            base = [r["forward+backward_fewbit_ms"] for r in rows if r["activation"] == name and r["bits"] == 3]
             for bits in bit_widths:
-                cells = [r["forward+backward_fewbit_ms"] for r in rows if r["activation"] == name and r["bits"] == bits]
-                print(f"{name:>10s} {bits:4d} " + " ".join(f"{c / b:7.2f}" for c, b in zip(cells, base, strict=True)))
+                for dtype in dtypes:
+                    cells = [
+                        r
+                        for r in rows
+                        if r["activation"] == name and r["bits"] == bits and r["dtype"] == str(dtype)[6:]
+                    ]
+                    line = " ".join(f"{r[f'{kind}_ratio']:7.2f}" for r in cells)
+                    print(f"{name:>10s} {bits:4d} {str(dtype)[6:]:>8s} {line} {cells[0][f'{kind}_limit']:7.2f}")
 
     out = harness.write_csv(args.out, rows, float_format=".6g")
     print(f"\nwrote {out}")

@@ -102,12 +102,16 @@ def pack_codes(codes, bits, out, start, stop):
 
 @numba.njit(cache=True, nogil=True)
 def unpack_codes(packed, bits, out, start, stop):
-    """Unpack codes [start, stop) from ``packed`` into ``out`` (int64)."""
+    """Unpack codes [start, stop) from ``packed`` into ``out`` (any integer dtype): one word load per group."""
     ubits = _u64(bits)
     mask = _low_mask(ubits)
-    for i in range(_u64(start), _u64(stop)):
-        word = _load_word(packed, i // _8, ubits)
-        out[i] = numba.int64((word >> ((i % _8) * ubits)) & mask)
+    begin = _u64(start)
+    end = _u64(stop)
+    for group in range(begin // _8, (end + _7) // _8):
+        word = _load_word(packed, group, ubits)
+        base = group * _8
+        for i in range(max(base, begin), min(base + _8, end)):
+            out[i] = (word >> ((i - base) * ubits)) & mask
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -144,20 +148,21 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
     return [(edges[index], edges[index + 1]) for index in range(parts) if edges[index] < edges[index + 1]]
 
 
-def run(kernel, n: int, *args, threads: int | None = None) -> None:
+def run(kernel, n: int, *args, threads: int | None = None):
     """``kernel(*args, start, stop)`` over [0, n): in the calling thread for small n, else split over ``threads``
-    (default ``torch.get_num_threads()``) ranges, one of them in the calling thread."""
+    (default ``torch.get_num_threads()``) ranges, one of them in the calling thread. Returns the sum of the parts'
+    results for a kernel that returns a count (the quantize kernels count non-finite elements), else None."""
     if n <= 0:
-        return
+        return None
     if threads is None:
         import torch
 
         threads = torch.get_num_threads()
+    if threads <= 1 or n < 2 * MIN_TASK:  # one part: no split, no pool (the fixed cost of a small call)
+        return kernel(*args, 0, n)
     parts = split(n, min(threads, max(1, n // MIN_TASK)))
     if len(parts) == 1:
-        kernel(*args, 0, n)
-        return
+        return kernel(*args, 0, n)
     futures = [_pool().submit(kernel, *args, start, stop) for start, stop in parts[1:]]
-    kernel(*args, *parts[0])
-    for future in futures:
-        future.result()
+    results = [kernel(*args, *parts[0])] + [future.result() for future in futures]
+    return None if results[0] is None else sum(results)

@@ -22,47 +22,11 @@ from __future__ import annotations
 import numba
 import numpy as np
 
+# the project's packing (one copy for every technique): same bit stream, ranges start on a group of 8
+from .._numba_packing import pack_codes as _pack
+from .._numba_packing import unpack_codes as _unpack
+
 __all__ = ["tables", "forward", "unpack", "decode_a3", "reduce_grads", "grad_input"]
-
-
-@numba.njit(cache=True, nogil=True)
-def _pack(codes, bits, packed, start, stop):
-    # codes[start:stop] (start a multiple of 8) into the bit stream
-    if bits == 8:
-        for i in range(start, stop):
-            packed[i] = codes[i]
-    elif bits == 4:
-        for j in range(start >> 1, (stop + 1) >> 1):
-            high = codes[2 * j + 1] if 2 * j + 1 < stop else 0
-            packed[j] = codes[2 * j] | (high << 4)
-    else:
-        for i in range(start, stop):
-            bit = i * bits
-            byte = bit >> 3
-            value = np.int64(codes[i]) << (bit & 7)
-            packed[byte] |= np.uint8(value & 0xFF)
-            if value > 0xFF:
-                packed[byte + 1] |= np.uint8(value >> 8)
-
-
-@numba.njit(cache=True, nogil=True)
-def _unpack(packed, bits, codes, start, stop):
-    mask = (1 << bits) - 1
-    if bits == 8:
-        for i in range(start, stop):
-            codes[i] = packed[i]
-    elif bits == 4:
-        for i in range(start, stop):
-            codes[i] = (packed[i >> 1] >> ((i & 1) << 2)) & 15
-    else:
-        for i in range(start, stop):
-            bit = i * bits
-            byte = bit >> 3
-            shift = bit & 7
-            value = np.int64(packed[byte]) >> shift
-            if shift + bits > 8:
-                value |= np.int64(packed[byte + 1]) << (8 - shift)
-            codes[i] = value & mask
 
 
 @numba.njit(cache=True, nogil=True)

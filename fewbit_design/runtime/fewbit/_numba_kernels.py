@@ -24,6 +24,10 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
 * float16 / bfloat16: code = table[bit pattern] (every 16-bit pattern has its code).
 * float64 (and float32 without a table): interval = len(boundaries) - #(x < boundary), NaN in the last interval.
 
+Every quantize kernel returns the number of non-finite elements (NaN, +-inf) of its range, read from the same
+loads (the exponent bits), so the forward's non-finite record (:func:`~.ops.nonfinite_record`) needs no pass of its
+own over x in the common, all-finite case.
+
 Backward (``unpack_scale``): grad_input = grad * levels[code] (+0 where the level is 0, as torch selects), fused
 unpack + lookup + multiply per group.
 """
@@ -65,6 +69,8 @@ __all__ = [
     "quantize_pack_lut16",
     "quantize_pack_compare",
     "unpack_scale",
+    "unpack_scale16",
+    "float32_to_16",
     "warm_up",
 ]
 
@@ -74,6 +80,7 @@ SPLIT_MULTI = 0x200  # ... that holds several (resolved by a binary search)
 _SPLIT_MULTI = np.uint64(SPLIT_MULTI)
 MULTI = 0xFF00  # the lut entry of such a bucket (ops.MULTI)
 _MULTI = np.uint64(MULTI)
+_EXPONENT32 = np.uint64(0x7F80)  # the exponent bits of a float32's high half: all set for NaN and +-inf
 
 
 @numba.njit(cache=True, nogil=True, inline="always")
@@ -98,11 +105,13 @@ def _make_quantize_pack_lut32(bits: int):
     def quantize_pack_lut32(x_halves, direct, lut, x, boundaries, interval_codes, out, start, stop):
         # x_halves: float32 x as uint16 pairs (low, high) per element, so the bucket (top 16 bits) is one load
         buffer = np.empty(CHUNK, dtype=np.uint8)
+        nonfinite = _u64(0)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             base = chunk * _2
             for i in range(count):
                 bucket = _u64(x_halves[base + _2 * i + _1])
+                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
                 code = _u64(direct[bucket])
                 if code == _SPLIT:
                     entry = _u64(lut[bucket])
@@ -112,6 +121,7 @@ def _make_quantize_pack_lut32(bits: int):
                     code = _search_code(x[chunk + i], boundaries, interval_codes)
                 buffer[i] = _u8(code)
             _pack_buffer(buffer, count, BITS, out, chunk // _8)
+        return nonfinite
 
     return quantize_pack_lut32
 
@@ -139,13 +149,16 @@ def _make_quantize_pack_lut32_branchless(bits: int):
         # and picks A or B with arithmetic, not a branch: code = A * above + B * (1 - above), above = low16 >= t.
         # The only branch, for the rare buckets holding several boundaries (entry MULTI), is almost never taken.
         buffer = np.empty(CHUNK, dtype=np.uint8)
+        nonfinite = _u64(0)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             base = chunk * _2
             # 8 bits: one code per byte, written in place (no buffer, no packing); BITS is a compile-time constant
             target = out[chunk : chunk + count] if BITS == _8 else buffer
             for i in range(count):
-                entry = _u64(lut[_u64(x_halves[base + _2 * i + _1])])
+                bucket = _u64(x_halves[base + _2 * i + _1])
+                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
+                entry = _u64(lut[bucket])
                 if entry == _MULTI:
                     target[i] = _u8(_search_code(x[chunk + i], boundaries, interval_codes))
                     continue
@@ -153,6 +166,7 @@ def _make_quantize_pack_lut32_branchless(bits: int):
                 target[i] = _u8((((entry >> _8) & _FF) * above) | ((entry & _FF) * (_1 - above)))
             if BITS != _8:
                 _pack_buffer(buffer, count, BITS, out, chunk // _8)
+        return nonfinite
 
     return quantize_pack_lut32_branchless
 
@@ -171,33 +185,44 @@ def quantize_pack_lut32_branchless(bits: int):
 
 
 @numba.njit(cache=True, nogil=True)
-def quantize_pack_lut16(x_bits, lut, bits, out, start, stop):
-    """Codes of 16-bit floats (``x_bits``: uint16 bit patterns): code = lut[pattern], packed into ``out``."""
+def quantize_pack_lut16(x_bits, lut, exponent, bits, out, start, stop):
+    """Codes of 16-bit floats (``x_bits``: uint16 bit patterns): code = lut[pattern], packed into ``out``; returns the
+    number of non-finite elements (``exponent``: the exponent mask, 0x7C00 for float16, 0x7F80 for bfloat16)."""
     ubits = _u64(bits)
+    mask = _u64(exponent)
     buffer = np.empty(CHUNK, dtype=np.uint8)
+    nonfinite = _u64(0)
     for chunk in range(_u64(start), _u64(stop), _CHUNK):
         count = min(_CHUNK, _u64(stop) - chunk)
         for i in range(count):
-            buffer[i] = lut[_u64(x_bits[chunk + i])]
+            pattern = _u64(x_bits[chunk + i])
+            nonfinite += _u64((pattern & mask) == mask)
+            buffer[i] = lut[pattern]
         _pack_buffer(buffer, count, ubits, out, chunk // _8)
+    return nonfinite
 
 
 @numba.njit(cache=True, nogil=True)
 def quantize_pack_compare(x, boundaries, interval_codes, bits, out, start, stop):
-    """Codes of x (float32 or float64, compared in its own dtype with ``boundaries``), packed into ``out``."""
+    """Codes of x (float32 or float64, compared in its own dtype with ``boundaries``), packed into ``out``; returns
+    the number of non-finite elements."""
     ubits = _u64(bits)
     count_boundaries = _u64(boundaries.size)
     buffer = np.empty(CHUNK, dtype=np.uint8)
+    nonfinite = _u64(0)
     for chunk in range(_u64(start), _u64(stop), _CHUNK):
         count = min(_CHUNK, _u64(stop) - chunk)
         for i in range(count):
             # interval = number of boundaries <= x = len(boundaries) - #(x < boundary); NaN: the last interval
             value = x[chunk + i]
+            difference = value - value  # NaN exactly when value is NaN or +-inf
+            nonfinite += _u64(difference != difference)
             interval = count_boundaries
             for j in range(count_boundaries):
                 interval -= _u64(value < boundaries[j])
             buffer[i] = interval_codes[interval]
         _pack_buffer(buffer, count, ubits, out, chunk // _8)
+    return nonfinite
 
 
 def _make_unpack_scale(bits: int):
@@ -234,6 +259,119 @@ def unpack_scale(bits: int):
     """The backward kernel for ``bits``: ``kernel(grad, packed, levels, out, start, stop)`` writes
     out = grad * levels[code] (in the dtype of grad and levels), codes unpacked from ``packed``."""
     return _make_unpack_scale(bits)
+
+
+_2_24 = np.float32(2.0**-24)
+_u32 = numba.uint32
+
+
+@numba.njit(cache=True, inline="always")
+def _to_bfloat16(word):
+    """The bfloat16 bit pattern of the float32 bit pattern ``word`` (uint32): round to nearest even, every NaN ->
+    0xFFFF (what torch's conversion gives). Branch-free and in 32-bit lanes, so that LLVM vectorises the loop."""
+    rounded = _u32(word + _u32(0x7FFF) + (_u32(word >> _u32(16)) & _u32(1))) >> _u32(16)
+    return _u32(0xFFFF) if (word & _u32(0x7FFFFFFF)) > _u32(0x7F800000) else rounded
+
+
+@numba.njit(cache=True, inline="always")
+def _to_float16(word, shifted):
+    """The float16 bit pattern of the float32 bit pattern ``word`` (uint32): round to nearest even, overflow to
+    infinity, NaN quieted with the top of its payload kept (torch's conversion, F16C). ``shifted``: the bit pattern of
+    |x| + 0.5 in float32, which is x rounded to float16's subnormal step (2^-24) where |x| < 2^-14. Branch-free
+    (selects) and in 32-bit lanes: numba's uint64 arithmetic runs 1.7x slower here."""
+    sign = _u32(word >> _u32(16)) & _u32(0x8000)
+    absolute = word & _u32(0x7FFFFFFF)
+    # (127 - 15) << 23 takes the exponent to float16's bias, 0xFFF + the kept bit's parity rounds to nearest even
+    normal = _u32(_u32(absolute - _u32(0x38000000 - 0xFFF)) + (_u32(absolute >> _u32(13)) & _u32(1))) >> _u32(13)
+    subnormal = _u32(shifted - _u32(0x3F000000))  # minus the bits of 0.5
+    payload = _u32(_u32(0x7E00) | (_u32(absolute >> _u32(13)) & _u32(0x3FF)))
+    special = payload if absolute > _u32(0x7F800000) else _u32(0x7C00)
+    small = subnormal if absolute < _u32(0x38800000) else normal  # below 2^-14: subnormal
+    return sign | (special if absolute >= _u32(0x47800000) else small)  # from 2^16 on: infinity or NaN
+
+
+def _make_unpack_scale16(bits: int, bfloat: bool):
+    BITS = np.uint64(bits)
+    MASK = np.uint64((1 << bits) - 1)
+    BFLOAT = bfloat
+
+    @numba.njit(cache=True, nogil=True)
+    def unpack_scale16(grad_bits, packed, levels, decode, out_bits, start, stop):
+        # per chunk: grad -> float32 (bfloat16: the pattern << 16; float16: the table ``decode``), times the level
+        # (+0 at a zero level), rounded back to 16 bits; the chunk's float32 buffers stay in L1
+        buffer = np.empty(CHUNK, dtype=np.float32)
+        words = buffer.view(np.uint32)
+        shifted = np.empty(CHUNK, dtype=np.float32)
+        shifted_words = shifted.view(np.uint32)
+        zero = np.float32(0)
+        half = np.float32(0.5)
+        for chunk in range(_u64(start), _u64(stop), _CHUNK):
+            count = min(_CHUNK, _u64(stop) - chunk)
+            if BFLOAT:
+                for i in range(count):
+                    words[i] = numba.uint32(_u64(grad_bits[chunk + i]) << _16)
+            else:
+                # float16 -> float32 by bits (vectorised): normal numbers rebias the exponent by 112, infinities and
+                # NaN keep their payload; zeros and subnormals (exponent 0) are m * 2^-24, exact in float32
+                for i in range(count):
+                    half_bits = _u32(grad_bits[chunk + i])
+                    exponent = _u32(half_bits >> _u32(10)) & _u32(0x1F)
+                    mantissa = _u32(_u32(half_bits & _u32(0x3FF)) << _u32(13))
+                    rest = _u32(_u32(exponent + _u32(112)) << _u32(23)) | mantissa
+                    rest = _u32(_u32(0x7F800000) | mantissa) if exponent == _u32(0x1F) else rest
+                    words[i] = _u32(_u32(half_bits & _u32(0x8000)) << _u32(16)) | rest
+                for i in range(count):
+                    half_bits = _u32(grad_bits[chunk + i])
+                    tiny = np.float32(half_bits & _u32(0x3FF)) * _2_24
+                    tiny = -tiny if half_bits & _u32(0x8000) else tiny
+                    buffer[i] = tiny if (half_bits & _u32(0x7C00)) == _u32(0) else buffer[i]
+            full = count // _8
+            for group in range(full):  # whole groups: a fixed trip count, unrolled
+                word = _load_word(packed, chunk // _8 + group, BITS)
+                base = group * _8
+                for k in range(_8):
+                    level = levels[(word >> (k * BITS)) & MASK]
+                    product = buffer[base + k] * level
+                    buffer[base + k] = product if level != 0 else zero
+            if full * _8 < count:
+                word = _load_word(packed, chunk // _8 + full, BITS)
+                base = full * _8
+                for k in range(count - base):
+                    level = levels[(word >> (k * BITS)) & MASK]
+                    product = buffer[base + k] * level
+                    buffer[base + k] = product if level != 0 else zero
+            if BFLOAT:
+                for i in range(count):
+                    out_bits[chunk + i] = numba.uint16(_to_bfloat16(words[i]))
+            else:
+                for i in range(count):
+                    shifted[i] = abs(buffer[i]) + half
+                for i in range(count):
+                    out_bits[chunk + i] = numba.uint16(_to_float16(words[i], shifted_words[i]))
+
+    return unpack_scale16
+
+
+@functools.cache
+def unpack_scale16(bits: int, bfloat: bool):
+    """The backward kernel for float16 (``bfloat`` False) or bfloat16 gradients: ``kernel(grad_bits, packed, levels,
+    decode, out_bits, start, stop)`` with the gradient and the result as uint16 bit patterns, float32 ``levels``, and
+    ``decode`` the float32 value of every float16 pattern (unused for bfloat16, whose value is the pattern << 16).
+    Computes in float32 and rounds once, as :func:`unpack_scale` on the float32 copy did, without the copies."""
+    return _make_unpack_scale16(bits, bfloat)
+
+
+@numba.njit(cache=True)
+def float32_to_16(words, bfloat, out):
+    """The 16-bit patterns of float32 patterns ``words`` (uint32) as the backward rounds them (for tests)."""
+    values = words.view(np.float32)
+    for i in range(words.size):
+        if bfloat:
+            out[i] = numba.uint16(_to_bfloat16(words[i]))
+        else:
+            shifted = np.empty(1, dtype=np.float32)
+            shifted[0] = abs(values[i]) + np.float32(0.5)
+            out[i] = numba.uint16(_to_float16(words[i], shifted.view(np.uint32)[0]))
 
 
 def warm_up(bits: int = 3) -> None:

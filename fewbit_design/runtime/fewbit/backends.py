@@ -23,7 +23,7 @@ import os
 import sys
 import threading
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -49,6 +49,7 @@ __all__ = [
     "quantize_reference",
     "scale_reference",
     "quantize_numba",
+    "forward_numba",
     "scale_numba",
     "quantize_triton",
     "scale_triton",
@@ -306,54 +307,143 @@ def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 _NUMPY_ALLOCATION_BYTES = 1 << 22
 
 
-#: Elements per block of the float16 / bfloat16 backward on CPU (a multiple of 8 and of CHUNK): its two float32 buffers
-#: take 8 * SCALE_BLOCK bytes (4 MiB), enough for every thread of the pool to get a part of each block.
-SCALE_BLOCK = 1 << 19
+_NUMPY_DTYPES = (torch.float32, torch.float64, torch.uint8)
 
 
 def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
     itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in (torch.float32, torch.float64, torch.uint8):
+    if numel * itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype))
     return torch.empty(numel, dtype=dtype)
 
 
-def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """numba CPU kernel of :func:`quantize_reference` (bitwise equal)."""
+def _codes_kernel(
+    flat: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int, out_np: np.ndarray
+) -> tuple[Callable[..., int], tuple]:
+    """The numba quantize kernel for ``flat`` (a flat contiguous CPU tensor) and its arguments before (start, stop):
+    ``kernel(*args, start, stop)`` packs the codes of ``flat[start:stop]`` into ``out_np`` (start a multiple of 8) and
+    returns the number of non-finite elements there."""
+    kernels = _numba_kernels()
+    if flat.dtype in (torch.float16, torch.bfloat16):
+        lut16 = _cached_lut(flat.dtype, boundaries, interval_codes)
+        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
+        exponent = 0x7C00 if flat.dtype == torch.float16 else 0x7F80
+        return kernels.quantize_pack_lut16, (x_bits, lut16, exponent, bits, out_np)
+    boundaries_np = boundaries.detach().cpu().numpy()
+    codes_np = interval_codes.detach().cpu().numpy()
+    x_np = flat.numpy()
+    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
+    if flat.dtype == torch.float32 and sys.byteorder == "little":
+        direct, lut32, branchless = _cached_lut(flat.dtype, boundaries, interval_codes)
+        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
+        if branchless:
+            return kernels.quantize_pack_lut32_branchless(bits), (x_np.view(np.uint16), lut32, *search, out_np)
+        return kernels.quantize_pack_lut32(bits), (x_np.view(np.uint16), direct, lut32, *search, out_np)
+    return kernels.quantize_pack_compare, (x_np, boundaries_np, codes_np, bits, out_np)
+
+
+def _zero_padding(out_np: np.ndarray, numel: int, bits: int) -> None:
+    if bits == 8:  # the 8-bit kernels write codes in place, one per byte: zero the last group's padding bytes
+        out_np[numel:] = 0
+
+
+def _codes_numba(
+    x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, int]:
+    """(packed codes of x, number of non-finite elements of x), the codes split over the kernel threads."""
     _check_input(x, boundaries, interval_codes, bits)
     if x.device.type != "cpu":
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
     numel = x.numel()
     out = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
     if numel == 0:
-        return out
-    kernels = _numba_kernels()
-    flat = _flat_contiguous(x)
+        return out, 0
     out_np = out.numpy()
-    if x.dtype in (torch.float16, torch.bfloat16):
-        lut16 = _cached_lut(x.dtype, boundaries, interval_codes)
-        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
-        kernels.run(kernels.quantize_pack_lut16, numel, x_bits, lut16, bits, out_np)
-        return out
-    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
-    use_lut = x.dtype == torch.float32 and sys.byteorder == "little"
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    if use_lut:
-        direct, lut32, branchless = _cached_lut(x.dtype, boundaries, interval_codes)
-        x_np = flat.numpy()
-        x_halves = x_np.view(np.uint16)
-        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
-        if branchless:
-            kernels.run(kernels.quantize_pack_lut32_branchless(bits), numel, x_halves, lut32, *search, out_np)
-            if bits == 8:  # codes are written in place there, one per byte: zero the group's padding bytes
-                out_np[numel:] = 0
-        else:
-            kernels.run(kernels.quantize_pack_lut32(bits), numel, x_halves, direct, lut32, *search, out_np)
-    else:
-        kernels.run(kernels.quantize_pack_compare, numel, flat.numpy(), boundaries_np, codes_np, bits, out_np)
-    return out
+    kernel, args = _codes_kernel(_flat_contiguous(x), boundaries, interval_codes, bits, out_np)
+    nonfinite = _numba_kernels().run(kernel, numel, *args)
+    _zero_padding(out_np, numel, bits)
+    return out, int(nonfinite)
+
+
+def quantize_numba(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
+    """numba CPU kernel of :func:`quantize_reference` (bitwise equal)."""
+    return _codes_numba(x, boundaries, interval_codes, bits)[0]
+
+
+#: Elements per block of the blocked CPU forward (:func:`forward_numba`): a multiple of CHUNK and of every SIMD width
+#: torch uses, large enough that the per-block Python cost (two kernel calls, a copy) stays a few percent of the
+#: native op, small enough that the block is still in L2 (x and y: 2 MiB in float32) when the native op reads it.
+FORWARD_BLOCK = 1 << 18
+#: Inputs of fewer bytes run the codes over all of x, then the native op: x is still in the last-level cache when the
+#: second pass reads it, and a block costs a temporary output and its copy into y. Measured on the 2-core dev machine
+#: (32 MiB L3, loaded, one thread, GELU 3 bits, median of 9 interleaved rounds): at 2^22 float32 the blocks took 3.7x
+#: native against 1.9x for the two passes, at 2^24 float32 1.00x against 1.37x.
+FORWARD_BLOCKED_BYTES = 32 << 20
+# torch runs a one-element tensor through its scalar loop (stride 0), while the same element at the end of a longer
+# tensor takes the vector loop's tail, and the two differ in the last bit for gelu, silu, ...: a remainder shorter
+# than two vectors of the widest SIMD (64 elements) is processed with the block before it.
+_VECTOR_TAIL = 64
+
+
+def forward_numba(
+    x: torch.Tensor,
+    native: Callable[[torch.Tensor], torch.Tensor],
+    boundaries: torch.Tensor,
+    interval_codes: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """(native(x), packed codes of x, the non-finite record of x) on CPU, x read from memory once.
+
+    The record is None when every element is finite (the kernels count non-finite elements from the loads they make
+    anyway), else (positions, values) as :func:`~.ops.nonfinite_record` gives them; like the codes, it is taken before
+    ``native`` sees the elements (a user fn might work in place).
+
+    With one torch thread and a contiguous x of at least :data:`FORWARD_BLOCKED_BYTES`, x is processed in blocks of
+    :data:`FORWARD_BLOCK` elements: the codes of the block (which loads it into cache), then ``native`` on the block,
+    written into y. Blocks start at multiples of every vector width, as torch's own serial loop does, so every
+    element takes the same (vector or scalar) path as in ``native(x)``: y is bitwise ``native(x)`` (torch's scalar
+    and vector paths differ in the last bit for gelu, silu, sigmoid, ...). With several torch threads, torch cuts
+    ``native(x)`` at op-specific places (gelu's grain differs from sigmoid's), which blocks cannot follow exactly:
+    there, as for smaller and non-contiguous inputs (y keeps native's strides), the codes run first over all of x
+    (split over the kernel threads), then ``native(x)`` once.
+    """
+    numel = x.numel()
+    small = numel * x.element_size() < FORWARD_BLOCKED_BYTES
+    if small or torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
+        packed, nonfinite = _codes_numba(x, boundaries, interval_codes, bits)
+        record = _nonfinite_positions(x.detach().reshape(-1), 0) if nonfinite else None
+        return native(x), packed, record
+    _check_input(x, boundaries, interval_codes, bits)
+    packed = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
+    out_np = packed.numpy()
+    kernel, args = _codes_kernel(x.detach().reshape(-1), boundaries, interval_codes, bits, out_np)
+    x_flat = x.view(-1)
+    y_flat = None
+    records = []
+    start = 0
+    while start < numel:
+        stop = start + FORWARD_BLOCK
+        if numel - stop < _VECTOR_TAIL:  # the last few elements join the last block (see _VECTOR_TAIL)
+            stop = numel
+        if kernel(*args, start, stop):
+            records.append(_nonfinite_positions(x_flat[start:stop].detach(), start))
+        block = native(x_flat[start:stop])
+        if y_flat is None:
+            y_flat = _empty_cpu(numel, block.dtype)
+        y_flat[start:stop].copy_(block)
+        start = stop
+    _zero_padding(out_np, numel, bits)
+    record = None
+    if records:
+        record = (torch.cat([r[0] for r in records]), torch.cat([r[1] for r in records]))
+    return y_flat.view(x.shape), packed, record
+
+
+def _nonfinite_positions(flat: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(positions + offset, values) of the non-finite elements of the flat tensor ``flat``."""
+    mask = ~torch.isfinite(flat)
+    return torch.nonzero(mask).reshape(-1) + offset, flat[mask]
 
 
 def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
@@ -373,23 +463,25 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
         out = _empty_cpu(numel, flat.dtype)
         kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
         return out.reshape(grad.shape)
-    # float16 / bfloat16 gradients: computed in float32 and rounded once, a block of SCALE_BLOCK elements at a time
-    # (two float32 buffers of one block), so the backward's memory stays that of the gradients (issue 20.14: a
-    # whole-tensor float32 copy and product took 4x the gradient's bytes)
+    # float16 / bfloat16 gradients: read and written as 16-bit patterns, computed in float32 in the kernel and
+    # rounded once as torch rounds (no float32 copy of the gradient: issue 20.14's memory, issue 22's two passes)
     out = torch.empty(numel, dtype=grad.dtype)
-    block = min(numel, SCALE_BLOCK)
-    grad32 = torch.empty(block, dtype=levels.dtype)
-    out32 = torch.empty(block, dtype=levels.dtype)
-    for start in range(0, numel, block):
-        stop = min(start + block, numel)
-        count = stop - start
-        grad32[:count].copy_(flat[start:stop])
-        # a block starts on a group of 8 elements (SCALE_BLOCK is a multiple of 8): its codes start at byte
-        # start // 8 * bits
-        codes = packed_np[start // 8 * bits : packed_nbytes(stop, bits)]
-        kernels.run(kernel, count, grad32[:count].numpy(), codes, levels_np, out32[:count].numpy())
-        out[start:stop].copy_(out32[:count])
+    bfloat = grad.dtype == torch.bfloat16
+    kernel = kernels.unpack_scale16(bits, bfloat)
+    decode = _FLOAT16_VALUES if bfloat else _float16_values()
+    grad_bits = flat.view(torch.int16).numpy().view(np.uint16)
+    out_bits = out.view(torch.int16).numpy().view(np.uint16)
+    kernels.run(kernel, numel, grad_bits, packed_np, levels_np, decode, out_bits)
     return out.reshape(grad.shape)
+
+
+_FLOAT16_VALUES = np.zeros(1, dtype=np.float32)  # bfloat16 needs no table (its value is the pattern << 16)
+
+
+@functools.cache
+def _float16_values() -> np.ndarray:
+    """The float32 value of every float16 bit pattern (float32[65536], exact)."""
+    return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
 
 
 def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:

@@ -54,6 +54,7 @@ from .backends import (
     decode_table,
     direct_lut32,
     encode_table,
+    forward_numba,
     quantize,
     quantize_numba,
     quantize_reference,
@@ -81,6 +82,7 @@ __all__ = [
     "quantize_reference",
     "scale_reference",
     "quantize_numba",
+    "forward_numba",
     "scale_numba",
     "quantize_triton",
     "scale_triton",
@@ -147,7 +149,7 @@ def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
     ``positions`` are int64 indices into x flattened in logical (row-major) order, ``values`` x's NaN / +-inf there
     (x's dtype). The common, all-finite case costs one reduction over x (:func:`_maybe_nonfinite`) and saves
-    nothing.
+    nothing. (The numba forward, :func:`~.backends.forward_numba`, counts non-finite elements in its kernels instead.)
     """
     detached = x.detach()
     if detached.numel() == 0 or not bool(_maybe_nonfinite(detached)):
@@ -196,6 +198,16 @@ class _FewBitFunction(torch.autograd.Function):
     #
     # forward / setup_context are separate (torch.func needs it): forward returns what backward needs beside y
     # (packed codes, the record) as extra outputs that fewbit_activation drops, and setup_context saves them.
+    @classmethod
+    def apply(cls, *args):
+        # torch's Function.apply binds the arguments to forward's signature with inspect.signature on every call
+        # (about 20 us, as much as a native GELU of 2^14 elements); every caller here passes all seven positionally,
+        # so that binding is the identity: eager calls outside torch.func go straight to the C++ apply, as torch's
+        # own apply does after binding. torch.compile and torch.func keep torch's path.
+        if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
+            return super().apply(*args)
+        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+
     @staticmethod
     def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
         # codes first (a user fn might work in place), then the native op, not recorded by autograd: y is bitwise
@@ -206,10 +218,15 @@ class _FewBitFunction(torch.autograd.Function):
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None
+            y = native(x)
+        elif backend_for(x.device) == "numba":
+            # codes and y in one pass over x (blocks in cache), the non-finite count from the same loads
+            y, packed, record = forward_numba(x, native, boundaries, interval_codes, bits)
+            positions, values = record or (None, None)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
             positions, values = nonfinite_record(x) or (None, None)
-        y = native(x)
+            y = native(x)
         return y, packed, positions, values
 
     @staticmethod

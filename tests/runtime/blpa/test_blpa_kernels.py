@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 
@@ -80,3 +81,25 @@ def test_backend_choice_is_checked():
         blpa.set_backend("cuda")
     with _backend("numba"), pytest.raises(FewBitError, match="backend 'numba' needs"):
         blpa.BNReLULinear(4, 2).to(torch.float16)(torch.randn(3, 4, dtype=torch.float16))
+
+
+@pytest.mark.parametrize("bits", range(1, 9))
+@pytest.mark.parametrize("planes", [(0, 3), (8, 11), (0, 16)])
+def test_blpa_packs_with_the_shared_packing_kernels(bits, planes):
+    # issue 22.5: BLPA had its own bit-stream packing beside runtime._numba_packing (the same layout, slower: 2-5x at
+    # 2^22 codes); it now calls the shared kernels, whose stream is the reference packing's
+    from fewbit_design.runtime import _numba_packing, _packing
+    from fewbit_design.runtime.blpa import _numba_kernels as blpa_kernels
+
+    assert blpa_kernels._pack is _numba_packing.pack_codes and blpa_kernels._unpack is _numba_packing.unpack_codes
+    inner = 5
+    start, stop = planes[0] * inner, planes[1] * inner
+    codes = np.random.default_rng(bits).integers(0, 2**bits, stop).astype(np.uint8)
+    packed = np.zeros(_packing.packed_nbytes(stop, bits), dtype=np.uint8)
+    blpa_kernels._pack(codes, bits, packed, start, stop)
+    expected = _packing.pack_reference(torch.from_numpy(codes.astype(np.int64)), bits).numpy()
+    first = start // 8 * bits
+    np.testing.assert_array_equal(packed[first:], expected[first:])
+    unpacked = np.zeros(stop, dtype=np.uint8)
+    blpa_kernels.unpack(packed, bits, inner, unpacked, planes[0], planes[1])
+    np.testing.assert_array_equal(unpacked[start:], codes[start:])

@@ -25,7 +25,6 @@ from fewbit_design.runtime import functional as FF
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime._packing import packed_nbytes
-from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 
 matching_module = importlib.import_module("fewbit_design.runtime.fewbit.matching")
@@ -383,8 +382,10 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
         fewbit = backward_peak(fnn.GELU(table=table), x, grad)
     native = backward_peak(torch.nn.GELU(), x, grad)
     assert native >= numel * 2  # the instrument sees the gradient
-    # at most one float32 block of input and one of output beside the gradient (before: 5x the gradient's bytes)
-    assert fewbit <= native + 8 * backends.SCALE_BLOCK + 65536, (fewbit, native)
+    # no float32 copy beside the gradient (issue 20.14: 5x the gradient's bytes; issue 22: the kernel reads and writes
+    # 16 bits, in float32 only per chunk of CHUNK elements). The slack, 1 MiB (an eighth of a float32 copy), covers
+    # Python objects of a call (numba's argument boxing, the pool's futures: 45-85 KB traced by tracemalloc)
+    assert fewbit <= native + (1 << 20), (fewbit, native)
 
 
 # --------------------------------------------------------------------- 20.8 for BLPA's convert: all or nothing
