@@ -119,7 +119,8 @@ def batchnorm_alpha(
     Args:
         gamma: per-channel scales (before the floor).
         beta: per-channel shifts (default 0).
-        mean, var: per-channel mean and (biased) variance of the input (default 0 and 1).
+        mean: per-channel mean of the input (default 0).
+        var: per-channel (biased) variance of the input (default 1).
         eps: the batch-norm epsilon.
         floor: the gamma floor (0: gamma used as is).
     """
