@@ -61,7 +61,7 @@ def test_one_step_matches_single_process(results, case, wrapper):
     record = results["cases"][key]
     if record["status"] != "ok":
         if KNOWN.get(key) == record["message"]:
-            pytest.skip(f"{key}: {record['message']} (known; see the README, Memory planner, Distributed training)")
+            pytest.skip(f"{key}: {record['message']} (known; see docs/techniques/planner.md, Distributed training)")
         raise AssertionError(f"{key}: {record['message']}\n{record.get('traceback', '')}")
     assert record["errors"], f"{key}: no gradients compared"
     for name, error in record["errors"].items():

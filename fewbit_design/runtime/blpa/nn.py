@@ -413,8 +413,9 @@ class BNReLUConv2d(_FusedUnit):
     """``BatchNorm2d -> ReLU -> Conv2d`` that stores ``bits`` bits per element of A2 for backward.
 
     State dict keys equal those of ``nn.Sequential(nn.BatchNorm2d(...), nn.ReLU(), nn.Conv2d(...))``
-    ("0.weight", "0.bias", "0.running_mean", "0.running_var", "0.num_batches_tracked", "2.weight", and "2.bias" with a bias), so
-    weights load either way. ``bits=None``: exact fused baseline; ``naive=True``: the paper's naive baseline.
+    ("0.weight", "0.bias", "0.running_mean", "0.running_var", "0.num_batches_tracked", "2.weight",
+    and "2.bias" with a bias), so weights load either way. ``bits=None``: exact fused baseline; ``naive=True``: the
+    paper's naive baseline.
 
     Examples:
         >>> unit = BNReLUConv2d(16, 32, 3, stride=2, padding=1, bits=4)
