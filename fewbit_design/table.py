@@ -533,7 +533,7 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None], *, force: bool =
     >>> check_outputs({"--out": "a.png", "--csv": "./a.png"})
     Traceback (most recent call last):
     ...
-    fewbit_design.errors.FewBitError: --out and --csv name the same file 'a.png'; give different files
+    fewbit_design.errors.FewBitError: --out and --csv name the same file './a.png'; give different files
     """
     checked: dict[str, Path | None] = {}
     seen: dict[Any, str] = {}

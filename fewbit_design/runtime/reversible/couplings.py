@@ -267,6 +267,7 @@ class ReversibleSequence(InvertibleModule):
         reconstruct: ``False`` runs the blocks with plain autograd, storing every activation (the oracle).
 
     >>> import torch
+    >>> from fewbit_design.runtime.reversible import ChannelPool2d, InvertibleBatchNorm2d, InvertibleLeakyReLU
     >>> seq = ReversibleSequence(InvertibleLeakyReLU(0.5), ChannelPool2d(), InvertibleBatchNorm2d(4))
     >>> x = torch.randn(2, 1, 4, 4, dtype=torch.float64)
     >>> seq.train(False) and torch.allclose(seq.inverse(seq(x)), x)
