@@ -238,7 +238,11 @@ def alpha_db(alpha: Any) -> Any:
 
 
 def chain_alpha(alphas: Iterable[float]) -> float:
-    """The factor of a chain of inverses: the product (eq. 19)."""
+    """The factor of a chain of inverses: the product (eq. 19).
+
+    Args:
+        alphas: the SNR reduction factors of the inverses in the chain
+    """
     a = _array("alphas", list(alphas))
     if np.any(a <= 0):
         raise FewBitError("SNR reduction factors must be > 0")
