@@ -5,7 +5,7 @@ with the paper's naive 8-bit baseline (quantized activations also in the forward
 per mode (mean over seeds) and the difference to exact. Writes a CSV with one row per (mode, seed).
 
     python benchmarks/blpa_digits.py            # depth 38, 5 epochs, 1 seed, 4 modes: a few minutes on 2 cores
-    python benchmarks/blpa_digits.py --full     # the README's run: depth 38, 20 epochs, 5 seeds, 4 modes (~1 hour)
+    python benchmarks/blpa_digits.py --full     # the docs' run: depth 38, 20 epochs, 5 seeds, 4 modes (~1 hour)
     python benchmarks/blpa_digits.py --quick    # smoke test: depth 11, 4 epochs, 1 seed
 
 --depth, --epochs and --seeds given explicitly override the preset.
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
         },
     )
     preset = parser.add_mutually_exclusive_group()
-    preset.add_argument("--full", action="store_true", help="the README's run: depth 38, 20 epochs, 5 seeds")
+    preset.add_argument("--full", action="store_true", help="the docs' run: depth 38, 20 epochs, 5 seeds")
     preset.add_argument("--quick", action="store_true", help="smoke test: depth 11, 4 epochs, 1 seed")
     args = parser.parse_args(argv)
     preset_name = "full" if args.full else "quick" if args.quick else "default"

@@ -24,8 +24,8 @@ only in the default configuration: all n, width 128, gradients allocated; ``--ou
 The time overhead of recomputation is the share of the step spent in the forward pass of the recomputed blocks. At
 width 32 a block's matrix products are so small that GELU and LayerNorm take most of its forward pass, the forward
 is 34-37% of the step, and "sqrt" cost 1.28-1.46x in one run; at width 128 the matrix products dominate, as in
-real models, and it costs about one extra forward (see the README for the measured figures, and for how glibc's
-allocator makes the step without checkpointing slower).
+real models, and it costs about one extra forward (see docs/techniques/checkpoint.md for the measured figures, and
+for how glibc's allocator makes the step without checkpointing slower).
 
 Timings use one torch thread by default (``--threads``): on a shared 2-core machine two OpenMP threads spin against
 other processes and a step gets ten times slower and erratic.

@@ -245,7 +245,7 @@ def sweep(model_name: str, steps: int, repeats: int, device: str = "cpu", shape:
         offload_min_bytes=1 << 18,
         loss_fn=loss_fn,
         repeats=repeats,
-        approximate="allowed",  # the fastest plan at each budget, few-bit included (the README table's rule)
+        approximate="allowed",  # the fastest plan at each budget, few-bit included (docs/techniques/planner.md's table)
     )
     print(
         f"[{model_name}] profiled in {time.perf_counter() - start:.1f} s; "

@@ -38,7 +38,13 @@ class FewBitError(ValueError):
 
 
 def close_matches(value: str, choices: Iterable[str], n: int = 3) -> list[str]:
-    """Choices that look like ``value`` (for 'did you mean' hints)."""
+    """Choices that look like ``value`` (for 'did you mean' hints).
+
+    Args:
+        value: the unknown value
+        choices: the valid values
+        n: at most this many matches
+    """
     choices = list(choices)
     lowered = {c.lower(): c for c in choices}
     hits = difflib.get_close_matches(str(value).lower(), list(lowered), n=n, cutoff=0.6)
@@ -53,7 +59,13 @@ def _quote_list(choices: list[str]) -> str:
 
 
 def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
-    """Return ``value`` if it is one of ``choices``; else raise naming all valid choices."""
+    """Return ``value`` if it is one of ``choices``; else raise naming all valid choices.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+        choices: the valid values
+    """
     choices = list(choices)
     if isinstance(value, str) and value in choices:
         return value
@@ -61,7 +73,14 @@ def check_choice(name: str, value: object, choices: Iterable[str]) -> str:
 
 
 def check_bits(bits: object, *, low: int = 1, high: int = 8, name: str = "bits") -> int:
-    """Bits per element: an integer in [low, high]."""
+    """Bits per element: an integer in [low, high].
+
+    Args:
+        bits: the value to check
+        low: the smallest valid value
+        high: the largest valid value
+        name: what the value is, for the error message
+    """
     if isinstance(bits, bool) or not isinstance(bits, int | float) or int(bits) != bits:
         raise FewBitError(f"{name} must be an integer from {low} to {high}, got {bits!r}")
     bits = int(bits)
@@ -71,6 +90,12 @@ def check_bits(bits: object, *, low: int = 1, high: int = 8, name: str = "bits")
 
 
 def check_finite(name: str, value: object) -> float:
+    """A finite number (anything ``float()`` takes), as a float.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+    """
     try:
         number = float(value)  # type: ignore[arg-type]
     except (TypeError, ValueError):
@@ -81,6 +106,12 @@ def check_finite(name: str, value: object) -> float:
 
 
 def check_positive(name: str, value: object) -> float:
+    """A finite number > 0, as a float.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+    """
     number = check_finite(name, value)
     if number <= 0:
         raise FewBitError(f"{name} must be > 0, got {value!r}")
@@ -88,7 +119,13 @@ def check_positive(name: str, value: object) -> float:
 
 
 def check_range(low: object, high: object, name: str = "range") -> tuple[float, float]:
-    """A design range A < B, both finite."""
+    """A design range A < B, both finite.
+
+    Args:
+        low: A, the range's lower end
+        high: B, the range's upper end
+        name: what the range is, for the error message
+    """
     a = check_finite(f"{name} start", low)
     b = check_finite(f"{name} end", high)
     if not a < b:
@@ -103,6 +140,12 @@ def parse_int_spec(text: object, *, name: str = "bits", low: int = 1, high: int 
 
     >>> parse_int_spec("1-3,6")
     [1, 2, 3, 6]
+
+    Args:
+        text: the specification (an int, or a string such as ``"1-3,6"``)
+        name: what the value is, for the error message
+        low: the smallest valid integer
+        high: the largest valid integer
     """
     values: set[int] = set()
     parts = [p.strip() for p in str(text).split(",")]
@@ -146,6 +189,10 @@ def check_integer(name: str, value: object, *, low: int | None = None, high: int
 
     >>> check_integer("start", 3, low=0)
     3
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
     """
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise FewBitError(f"{name} must be an integer{_integer_bounds(low, high)}, got {show(value)}")
@@ -156,7 +203,12 @@ def check_integer(name: str, value: object, *, low: int | None = None, high: int
 
 
 def check_number(name: str, value: object, *, low: float | None = None, allow_nan: bool = False) -> float:
-    """A finite real number (an int or a float, not a bool or a string) >= ``low``; NaN too when ``allow_nan``."""
+    """A finite real number (an int or a float, not a bool or a string) >= ``low``; NaN too when ``allow_nan``.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+    """
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         raise FewBitError(f"{name} must be a number{'' if low is None else f' >= {low:g}'}, got {show(value)}")
     try:
@@ -173,13 +225,24 @@ def check_number(name: str, value: object, *, low: float | None = None, allow_na
 
 
 def check_boolean(name: str, value: object) -> bool:
-    """``True`` or ``False`` itself (a JSON boolean): not ``"no"``, not ``0``."""
+    """``True`` or ``False`` itself (a JSON boolean): not ``"no"``, not ``0``.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+    """
     if not isinstance(value, bool):
         raise FewBitError(f"{name} must be true or false, got {show(value)}")
     return value
 
 
 def check_string(name: str, value: object) -> str:
+    """A string itself (a JSON string): not a number, not None.
+
+    Args:
+        name: what the value is, for the error message
+        value: the value to check
+    """
     if not isinstance(value, str):
         raise FewBitError(f"{name} must be a string, got {show(value)}")
     return value
@@ -187,7 +250,14 @@ def check_string(name: str, value: object) -> str:
 
 def check_keys(name: str, data: object, required: Iterable[str], optional: Iterable[str] = ()) -> dict[str, Any]:
     """``data`` is a dict (a JSON object) with every key of ``required`` and none beyond ``required`` and
-    ``optional``; returns it."""
+    ``optional``; returns it.
+
+    Args:
+        name: what the object is, for the error message
+        data: the value to check
+        required: the keys it must have
+        optional: the keys it may have besides
+    """
     if not isinstance(data, dict):
         raise FewBitError(f"{name} must be an object (a dict), got {show(data)}")
     required, optional = list(required), list(optional)
@@ -232,6 +302,10 @@ def parse_budget(budget: object, *, name: str = "budget") -> int | float | str:
 
     >>> parse_budget("1.5GB"), parse_budget("512MiB"), parse_budget(4096), parse_budget("0.5"), parse_budget("Min")
     (1500000000, 536870912, 4096, 0.5, 'min')
+
+    Args:
+        budget: the budget in any of the forms above
+        name: what the value is, for the error message
     """
     if isinstance(budget, bool) or budget is None:
         raise FewBitError(f"{name} must be {_BUDGET_FORMS}; got {show(budget)}")
@@ -281,7 +355,14 @@ def parse_budget(budget: object, *, name: str = "budget") -> int | float | str:
 
 def resolve_budget(budget: object, *, unconverted: int, minimum: Callable[[], int], name: str = "budget") -> int:
     """Bytes from any form :func:`parse_budget` reads: a fraction is of ``unconverted`` (the peak without the
-    technique), ``"min"`` is ``minimum()`` (computed only then)."""
+    technique), ``"min"`` is ``minimum()`` (computed only then).
+
+    Args:
+        budget: the budget in any form :func:`parse_budget` reads
+        unconverted: the peak bytes without the technique
+        minimum: computes the smallest feasible peak (called only for ``"min"``)
+        name: what the value is, for the error message
+    """
     value = parse_budget(budget, name=name)
     if value == "min":
         return int(minimum())

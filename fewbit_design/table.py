@@ -56,6 +56,9 @@ def format_float(value: float) -> float:
     """Round to the fixed precision tables are written with (12 significant digits).
 
     Written files are then the same bytes on every machine even when the last bits of a computation differ.
+
+    Args:
+        value: the number to round
     """
     value = float(value)
     if value == 0.0 or not math.isfinite(value):
@@ -88,6 +91,9 @@ class Table:
     ...           boundaries=[0.0], codes=[0, 1], levels=[0.0, 1.0], error=0.0, snr_db=None)
     >>> t.q([-1.0, 0.0, 2.0]).tolist()
     [0.0, 1.0, 1.0]
+
+    Attributes:
+        source: where the table came from (a file name), named in error messages; None for a table built in memory
     """
 
     activation: str
@@ -326,7 +332,12 @@ def check_index(document: Any, where: str) -> list[dict[str, Any]]:
 
 
 def loads(text: str, source: str | None = None) -> Table:
-    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval) with :func:`parse_json`."""
+    """Parse ``fewbit-table/1`` JSON text (data only: no pickle, no eval) with :func:`parse_json`.
+
+    Args:
+        text: the JSON text
+        source: where the text came from, named in error messages
+    """
     data = parse_json(text, f"table {source!r}")
     check_numbers(data, source)
     return Table.from_dict(data, source=source)
@@ -335,7 +346,11 @@ def loads(text: str, source: str | None = None) -> Table:
 def load(path: str | os.PathLike) -> Table:
     """Load and validate a table file; a bad file raises one :class:`FewBitError` naming the file and field.
 
-    The file's size and JSON nesting are bounded before it is parsed (:func:`read_table_text`)."""
+    The file's size and JSON nesting are bounded before it is parsed (:func:`read_table_text`).
+
+    Args:
+        path: the table file
+    """
     return loads(read_table_text(path), source=str(Path(path)))
 
 
@@ -356,7 +371,11 @@ def _nesting_depth(text: str) -> int:
 
 
 def read_table_text(path: str | os.PathLike) -> str:
-    """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing."""
+    """The text of a table file, checked against :data:`MAX_TABLE_BYTES` and :data:`MAX_NESTING` before parsing.
+
+    Args:
+        path: the table file
+    """
     return read_json_text(
         path,
         what="table file",
@@ -376,7 +395,16 @@ def read_json_text(
     nesting_note: str = "",
 ) -> str:
     """The text of a JSON data file (a table, a plan: ``what`` names it in errors), as UTF-8, checked against
-    ``max_bytes`` and ``max_nesting`` before it is parsed: every failure is one :class:`FewBitError`."""
+    ``max_bytes`` and ``max_nesting`` before it is parsed: every failure is one :class:`FewBitError`.
+
+    Args:
+        path: the file
+        what: what the file is (``"table"``, ``"memory plan"``), for error messages
+        max_bytes: the largest file size accepted
+        max_nesting: the deepest JSON nesting accepted
+        size_note: appended to the size error (why the limit)
+        nesting_note: appended to the nesting error
+    """
     path = Path(path)
     try:
         size = path.stat().st_size
@@ -403,7 +431,14 @@ def read_json_text(
 
 def load_json(path: str | os.PathLike, *, what: str, max_bytes: int, max_nesting: int = MAX_NESTING) -> Any:
     """Parse a JSON data file read by :func:`read_json_text` (data only: no pickle, no eval). Integers beyond
-    Python's digit limit (4300) and malformed JSON are one :class:`FewBitError` naming the file."""
+    Python's digit limit (4300) and malformed JSON are one :class:`FewBitError` naming the file.
+
+    Args:
+        path: the file
+        what: what the file is, for error messages
+        max_bytes: the largest file size accepted
+        max_nesting: the deepest JSON nesting accepted
+    """
     text = read_json_text(path, what=what, max_bytes=max_bytes, max_nesting=max_nesting)
     try:
         return json.loads(text)
@@ -414,7 +449,12 @@ def load_json(path: str | os.PathLike, *, what: str, max_bytes: int, max_nesting
 
 
 def check_numbers(data: Any, source: str) -> None:
-    """Every number of the numeric fields converts to a float (JSON integers like 10**400 do not: OverflowError)."""
+    """Every number of the numeric fields converts to a float (JSON integers like 10**400 do not: OverflowError).
+
+    Args:
+        data: the parsed table (a dict)
+        source: where it came from, for error messages
+    """
     if not isinstance(data, dict):
         return
     for name in ("boundaries", "codes", "levels", "error", "snr_db"):
@@ -533,7 +573,11 @@ def check_outputs(outputs: dict[str, str | os.PathLike | None], *, force: bool =
     >>> check_outputs({"--out": "a.png", "--csv": "./a.png"})
     Traceback (most recent call last):
     ...
-    fewbit_design.errors.FewBitError: --out and --csv name the same file 'a.png'; give different files
+    fewbit_design.errors.FewBitError: --out and --csv name the same file './a.png'; give different files
+
+    Args:
+        outputs: option name -> path (or None when not given)
+        force: allow replacing existing files
     """
     checked: dict[str, Path | None] = {}
     seen: dict[Any, str] = {}
@@ -642,5 +686,11 @@ def _link_new(tmp: str, target: Path, path: str | os.PathLike) -> None:
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, *, force: bool = False) -> Path:
-    """:func:`write_bytes_atomic` of ``text`` in UTF-8."""
+    """:func:`write_bytes_atomic` of ``text`` in UTF-8.
+
+    Args:
+        path: the file to write
+        text: its content
+        force: replace an existing file
+    """
     return write_bytes_atomic(path, text.encode("utf-8"), force=force)

@@ -47,7 +47,11 @@ def for_shell(message: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2."""
+    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2.
+
+    Args:
+        argv: the arguments (default: ``sys.argv[1:]``)
+    """
     try:
         with _interrupts_kept():
             cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)

@@ -74,6 +74,12 @@ class Activation:
 
     ``defaults`` maps torch's parameter names to torch's defaults, in torch's order. Call :meth:`bind` to get a
     :class:`BoundActivation` with complete, validated parameters.
+
+    Attributes:
+        name: the registry name (torch.nn.functional spelling)
+        torch_name: the torch.nn class name ('' when torch.nn has none)
+        defaults: torch's parameter names and defaults, in torch's order
+        description: a one-line description for ``fewbit-design list``
     """
 
     name: str
@@ -159,6 +165,10 @@ class BoundActivation:
     ((-2.0, 2.0), True)
     >>> act.df([-3.0, 0.0, 3.0]).tolist()
     [0.0, 1.0, 0.0]
+
+    Attributes:
+        activation: the registry entry
+        params: complete, validated parameters
     """
 
     activation: Activation
@@ -272,6 +282,10 @@ def bind(name_or_activation: str | Activation, params: Mapping[str, object] | No
 
     >>> bind("softplus", {"beta": 2}).params
     {'beta': 2.0, 'threshold': 20.0}
+
+    Args:
+        name_or_activation: a registry name (any spelling :func:`get` accepts) or an :class:`Activation`
+        params: parameters; torch's defaults fill in the rest
     """
     activation = name_or_activation if isinstance(name_or_activation, Activation) else get(name_or_activation)
     return activation.bind(params)
@@ -287,6 +301,9 @@ def parse_param(text: str) -> tuple[str, object]:
 
     >>> parse_param("negative_slope=0.2"), parse_param("approximate=tanh"), parse_param("n=3")
     (('negative_slope', 0.2), ('approximate', 'tanh'), ('n', 3))
+
+    Args:
+        text: ``KEY=VALUE``
     """
     if not isinstance(text, str) or "=" not in text:
         raise FewBitError(f"--param must look like KEY=VALUE, got {text!r}")

@@ -119,7 +119,8 @@ def batchnorm_alpha(
     Args:
         gamma: per-channel scales (before the floor).
         beta: per-channel shifts (default 0).
-        mean, var: per-channel mean and (biased) variance of the input (default 0 and 1).
+        mean: per-channel mean of the input (default 0).
+        var: per-channel (biased) variance of the input (default 1).
         eps: the batch-norm epsilon.
         floor: the gamma floor (0: gamma used as is).
     """
@@ -237,7 +238,11 @@ def alpha_db(alpha: Any) -> Any:
 
 
 def chain_alpha(alphas: Iterable[float]) -> float:
-    """The factor of a chain of inverses: the product (eq. 19)."""
+    """The factor of a chain of inverses: the product (eq. 19).
+
+    Args:
+        alphas: the SNR reduction factors of the inverses in the chain
+    """
     a = _array("alphas", list(alphas))
     if np.any(a <= 0):
         raise FewBitError("SNR reduction factors must be > 0")

@@ -76,6 +76,18 @@ class Weight:
     (1.0,)
     >>> w(np.array([-6.0, 1.0])).tolist()
     [0.0, 0.25]
+
+    Attributes:
+        kind: ``uniform``, ``normal``, ``laplace``, ``student-t`` or ``empirical``
+        low: the design range's lower end (w = 0 below)
+        high: its upper end (w = 0 above)
+        loc: location of normal, laplace and student-t
+        scale: scale of normal, laplace and student-t
+        df: degrees of freedom of student-t
+        file: empirical: the samples file
+        sample_count: empirical: how many samples
+        sha256: empirical: the samples file's sha256
+        bandwidth: empirical: the Gaussian kernel's bandwidth (Silverman's rule)
     """
 
     kind: str
@@ -170,6 +182,11 @@ def check_design_range(low: object, high: object, name: str = "range") -> tuple[
     ...
     fewbit_design.errors.FewBitError: range must lie within +-1e+06 (the design grid resolves an activation's bend at \
 scale 1 only up to there), got [-1e+07, 1]
+
+    Args:
+        low: A
+        high: B
+        name: what the range is, for the error message
     """
     low, high = check_range(low, high, name=name)
     magnitude = max(abs(low), abs(high))

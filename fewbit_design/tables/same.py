@@ -23,7 +23,7 @@ land elsewhere. A shipped table S is the same as a fresh design F of its spec wh
    the objective tolerance on its own: that is a different table.
 
 Every number comes from the objective tolerance, and that sits far above the largest difference measured between
-designs perturbed the way another machine differs (README, Shipped tables; tests/design/test_table_sameness.py
+designs perturbed the way another machine differs (docs/design.md, Shipped tables; tests/design/test_table_sameness.py
 re-measures it).
 """
 

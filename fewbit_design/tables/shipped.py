@@ -58,7 +58,16 @@ VARIANTS: dict[str, list[dict[str, Any]]] = {"gelu": [{"approximate": "tanh"}]}
 
 @dataclass(frozen=True)
 class TableSpec:
-    """One table of the shipped set."""
+    """One table of the shipped set.
+
+    Attributes:
+        activation: the registry name
+        bits: bits per element
+        mode: ``levelsets`` or ``intervals``
+        symmetric: intervals designed on |x| (even f')
+        weight: ``uniform`` or ``normal``
+        params: non-default parameters, as sorted (name, value) pairs (``gelu_tanh``)
+    """
 
     activation: str
     bits: int
@@ -117,7 +126,11 @@ def table_specs(activations: Iterable[str] | None = None) -> list[TableSpec]:
 
 
 def build_table(spec: TableSpec) -> tuple[TableSpec, str]:
-    """Design one table and return its JSON text (runs in worker processes)."""
+    """Design one table and return its JSON text (runs in worker processes).
+
+    Args:
+        spec: the table to design
+    """
     return spec, spec.design().to_json()
 
 
@@ -348,6 +361,12 @@ def check(
     """Rebuild in memory (no file written) and compare with the set in ``root`` by the definition of :mod:`.same`.
 
     Returns the problems found, each naming the table file, the field and both values ([] when the set is the same).
+
+    Args:
+        root: the tables folder (default: the package's)
+        jobs: worker processes (default: the CPU count)
+        activations: only these activations' tables
+        progress: called with each spec when its table is done (for progress output)
     """
     root = Path(root) if root is not None else TABLES_DIR
     specs = table_specs(activations)
@@ -366,6 +385,12 @@ def build(
 
     Deterministic on one machine: the same files, byte for byte, on every run with the same versions (another machine
     builds the same tables by the definition of :mod:`.same`). ``jobs`` worker processes (default: all cores).
+
+    Args:
+        out: the folder to write (default: the package's tables folder)
+        jobs: worker processes (default: the CPU count)
+        activations: only these activations' tables (replaced in an existing index)
+        progress: called with each spec when its table is done (for progress output)
     """
     out = Path(out) if out is not None else TABLES_DIR
     if out.exists() and not out.is_dir():
@@ -396,7 +421,11 @@ def build(
 
 
 def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
-    """Read and check ``index.json`` of a tables folder."""
+    """Read and check ``index.json`` of a tables folder.
+
+    Args:
+        root: the tables folder (default: the package's)
+    """
     root = Path(root) if root is not None else TABLES_DIR
     path = root / "index.json"
     if not path.exists():
@@ -408,7 +437,13 @@ def read_index(root: str | os.PathLike | None = None) -> dict[str, Any]:
 
 
 def sample_specs(specs: list[TableSpec], n: int, *, seed: int = 0) -> list[TableSpec]:
-    """``n`` tables chosen at random but covering every activation once before any repeats."""
+    """``n`` tables chosen at random but covering every activation once before any repeats.
+
+    Args:
+        specs: the specs to choose from
+        n: how many
+        seed: the random seed
+    """
     rng = random.Random(seed)
     by_activation: dict[str, list[TableSpec]] = {}
     for spec in specs:
@@ -484,6 +519,13 @@ def verify(
     every activation; or only the tables of ``activations``) is recomputed and compared with the shipped one by the
     cross-machine definition of :mod:`.same` (structure exact, the objective first, pinned boundaries and levels
     within tolerance).
+
+    Args:
+        root: the tables folder (default: the package's)
+        sample: recompute only this many tables (None: all)
+        seed: the seed of the sample
+        activations: only these activations' tables
+        progress: called with each spec when its table is done (for progress output)
     """
     root = Path(root) if root is not None else TABLES_DIR
     read_index(root)

@@ -75,9 +75,17 @@ def convert(
     ``strict=True``; ``strict=True`` also raises when nothing at all was fused, and without it a model where nothing
     was fused gives a warning. The summary is logged (logger ``fewbit_design.runtime.blpa``, INFO).
 
-    >>> seq = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 3))
-    >>> [type(m).__name__ for m in convert(seq, bits=8)]
-    ['BNReLUConv2d', 'Identity', 'Identity']
+    Examples:
+        >>> seq = nn.Sequential(nn.BatchNorm2d(3), nn.ReLU(), nn.Conv2d(3, 4, 3))
+        >>> [type(m).__name__ for m in convert(seq, bits=8)]
+        ['BNReLUConv2d', 'Identity', 'Identity']
+
+    Args:
+        model: the model, changed in place
+        bits: bits per element (None: exact fused units)
+        naive: the paper's naive baseline
+        strict: raise instead of leaving unfusable runs alone
+        report: must stay False (see above)
     """
     if not isinstance(model, nn.Module):
         raise FewBitError(f"convert: model must be a torch.nn.Module, got {type(model).__name__}")

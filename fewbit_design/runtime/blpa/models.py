@@ -16,6 +16,13 @@ class PreActBottleneck(nn.Module):
     """Pre-activation bottleneck residual unit (He et al. 2016) built from three fused BN-ReLU-Conv units.
 
     The shortcut is parameter-free: identity, or a strided subsample with zero-padded extra channels.
+
+    Args:
+        in_channels: input channels
+        planes: bottleneck channels (the output has 4x)
+        stride: stride of the middle convolution and the shortcut
+        bits: bits per element (None: exact fused)
+        naive: the paper's naive baseline
     """
 
     expansion = 4
@@ -42,7 +49,16 @@ class PreActBottleneck(nn.Module):
 
 
 class PreActResNet(nn.Module):
-    """CIFAR-style pre-activation bottleneck ResNet of depth 9n + 2 (see :func:`preact_resnet`)."""
+    """CIFAR-style pre-activation bottleneck ResNet of depth 9n + 2 (see :func:`preact_resnet`).
+
+    Args:
+        blocks_per_stage: n, units per stage
+        num_classes: outputs of the head
+        bits: bits per element (None: exact fused)
+        width: multiplies every stage's channels
+        naive: the paper's naive baseline
+        in_channels: input image channels
+    """
 
     def __init__(
         self,
@@ -94,6 +110,14 @@ def preact_resnet(
     >>> model = preact_resnet(20, bits=4)
     >>> model(torch.randn(2, 3, 32, 32)).shape
     torch.Size([2, 10])
+
+    Args:
+        depth: 9n + 2
+        num_classes: outputs of the head
+        bits: bits per element (None: exact fused)
+        width: multiplies every stage's channels
+        naive: the paper's naive baseline
+        in_channels: input image channels
     """
     if isinstance(depth, bool) or not isinstance(depth, int) or depth < 11 or (depth - 2) % 9:
         raise FewBitError(

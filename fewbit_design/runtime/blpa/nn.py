@@ -131,6 +131,15 @@ def unit_backward(
     ``reference=True`` runs the pure-torch reference, which also returns the gradient to A2 (``relu_input``);
     otherwise the numba kernels run where they apply (see :func:`set_backend`). Exposed for tests and experiments;
     modules call it through autograd.
+
+    Args:
+        grad_out: the gradient of the unit's output
+        saved: what the forward saved (above)
+        spec: the unit's description (kind, bits, naive, convolution geometry)
+        input_shape: the unit input's shape
+        has_bias: whether the Conv/Linear has a bias
+        needs: which gradients to compute (above)
+        reference: run the pure-torch reference (above)
     """
     stored, invstd, gamma, beta, weight = saved
     need_x, need_gamma, need_beta, need_w, need_b = needs
@@ -413,12 +422,30 @@ class BNReLUConv2d(_FusedUnit):
     """``BatchNorm2d -> ReLU -> Conv2d`` that stores ``bits`` bits per element of A2 for backward.
 
     State dict keys equal those of ``nn.Sequential(nn.BatchNorm2d(...), nn.ReLU(), nn.Conv2d(...))``
-    ("0.weight", "0.bias", "0.running_mean", "0.running_var", "0.num_batches_tracked", "2.weight"[, "2.bias"]), so
-    weights load either way. ``bits=None``: exact fused baseline; ``naive=True``: the paper's naive baseline.
+    ("0.weight", "0.bias", "0.running_mean", "0.running_var", "0.num_batches_tracked", "2.weight",
+    and "2.bias" with a bias), so weights load either way. ``bits=None``: exact fused baseline; ``naive=True``: the
+    paper's naive baseline.
 
-    >>> unit = BNReLUConv2d(16, 32, 3, stride=2, padding=1, bits=4)
-    >>> sorted(unit.state_dict())[:2]
-    ['0.bias', '0.num_batches_tracked']
+    Examples:
+        >>> unit = BNReLUConv2d(16, 32, 3, stride=2, padding=1, bits=4)
+        >>> sorted(unit.state_dict())[:2]
+        ['0.bias', '0.num_batches_tracked']
+
+    Args:
+        in_channels: as in ``nn.Conv2d`` (the BatchNorm's channels)
+        out_channels: as in ``nn.Conv2d``
+        kernel_size: as in ``nn.Conv2d``
+        stride: as in ``nn.Conv2d``
+        padding: as in ``nn.Conv2d``
+        dilation: as in ``nn.Conv2d``
+        groups: as in ``nn.Conv2d``
+        bias: as in ``nn.Conv2d``
+        bits: bits per element of A2, 2..8 (None: the exact fused baseline)
+        naive: the paper's naive baseline (approximate activations in forward too)
+        eps: as in the BatchNorm
+        momentum: as in the BatchNorm
+        device: as in torch.nn
+        dtype: as in torch.nn
     """
 
     _kind = "conv2d"
@@ -471,6 +498,17 @@ class BNReLULinear(_FusedUnit):
     """``BatchNorm1d -> ReLU -> Linear`` on (N, C) inputs, storing ``bits`` bits per element of A2 for backward.
 
     State dict keys equal those of ``nn.Sequential(nn.BatchNorm1d(...), nn.ReLU(), nn.Linear(...))``.
+
+    Args:
+        in_features: as in ``nn.Linear`` (the BatchNorm's features)
+        out_features: as in ``nn.Linear``
+        bias: as in ``nn.Linear``
+        bits: bits per element of A2, 2..8 (None: the exact fused baseline)
+        naive: the paper's naive baseline (approximate activations in forward too)
+        eps: as in the BatchNorm
+        momentum: as in the BatchNorm
+        device: as in torch.nn
+        dtype: as in torch.nn
     """
 
     _kind = "linear"
@@ -515,6 +553,17 @@ class BNReLUPoolLinear(_FusedUnit):
 
     Global average pooling is folded into the linear op (as the paper does). State dict keys equal those of
     ``nn.Sequential(nn.BatchNorm2d(C), nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten(), nn.Linear(C, classes))``.
+
+    Args:
+        in_channels: the BatchNorm's channels C
+        out_features: the classes
+        bias: as in ``nn.Linear``
+        bits: bits per element of A2, 2..8 (None: the exact fused baseline)
+        naive: the paper's naive baseline (approximate activations in forward too)
+        eps: as in the BatchNorm
+        momentum: as in the BatchNorm
+        device: as in torch.nn
+        dtype: as in torch.nn
     """
 
     _kind = "pool_linear"

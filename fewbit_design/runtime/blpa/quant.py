@@ -219,7 +219,11 @@ def unpack_codes(packed: torch.Tensor, bits: int, numel: int) -> torch.Tensor:
 
 def set_backend(name: str) -> None:
     """Where the element-wise BLPA work runs: 'auto' (numba kernels for float32/float64 CPU tensors when numba is
-    installed, the torch reference otherwise), 'torch' (always the reference) or 'numba' (always the kernels)."""
+    installed, the torch reference otherwise), 'torch' (always the reference) or 'numba' (always the kernels).
+
+    Args:
+        name: ``'auto'``, ``'torch'`` or ``'numba'``
+    """
     _state["backend"] = check_choice("backend", name, BACKENDS)
 
 

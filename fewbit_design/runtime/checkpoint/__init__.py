@@ -3,7 +3,7 @@
 >>> import torch
 >>> from fewbit_design.runtime import checkpoint
 >>> blocks = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(32, 128), torch.nn.GELU(),
-...                                                    torch.nn.Linear(128, 32)) for _ in range(16)])
+...                                                    torch.nn.Linear(128, 32)) for _ in range(4)])
 >>> x = torch.randn(64, 32)
 >>> profile = checkpoint.profile(blocks, x)
 >>> plan = checkpoint.plan(profile, strategy="sqrt")

@@ -128,7 +128,13 @@ def _checkpointing(module: torch.nn.Module) -> bool:
 
 class CheckpointedSequential(torch.nn.Sequential):
     """An ``nn.Sequential`` of the original modules that runs a :class:`Plan`'s segments (checkpointed ones
-    through ``torch.utils.checkpoint``). Parameters and state-dict keys are the original's."""
+    through ``torch.utils.checkpoint``). Parameters and state-dict keys are the original's.
+
+    Args:
+        modules: the original modules (or an ``nn.Sequential`` of them)
+        plan: the :class:`Plan` whose segments it runs
+        selective: keep matmul and convolution outputs in checkpointed segments and recompute the rest (section 4.2)
+    """
 
     def __init__(self, modules: Sequence[torch.nn.Module] | torch.nn.Sequential, plan: Plan, *, selective: bool):
         if isinstance(modules, torch.nn.Sequential):
@@ -276,6 +282,15 @@ def wrap(
     :func:`.profile.profile`).
 
     The plan is kept on the result (``.plan`` of a CheckpointedSequential; for a ModuleList, ``blocks.fewbit_plan``).
+
+    Args:
+        blocks: an ``nn.Sequential``, a list or an ``nn.ModuleList`` of blocks
+        example_inputs: the first block's positional inputs
+        budget: bytes, ``"2GiB"``, a fraction of the unplanned peak, or ``"min"`` (None: the smallest feasible peak)
+        strategy: ``"optimal"``, ``"greedy"``, ``"sqrt"``, ``"recursive"`` or ``"none"``
+        selective: as in :func:`apply`
+        grads_allocated: as in :func:`.profile.profile`
+        example_kwargs: keyword inputs of every block
     """
     measured = profile_blocks(blocks, *example_inputs, grads_allocated=grads_allocated, **example_kwargs)
     chosen = plan_segments(measured, budget=budget, strategy=strategy)

@@ -73,7 +73,15 @@ class Segment:
 
 @dataclass
 class Prediction:
-    """Predicted peak bytes (above the step's start) and extra time (recomputation) of a schedule."""
+    """Predicted peak bytes (above the step's start) and extra time (recomputation) of a schedule.
+
+    Attributes:
+        peak_bytes: the predicted peak above the step's start
+        extra_seconds: the predicted recomputation time
+        forward_peak_bytes: the peak during the forward pass
+        backward_peak_bytes: the peak during the backward pass
+        timeline: (event, live bytes) at each block's forward and backward peak, when asked for
+    """
 
     peak_bytes: int
     extra_seconds: float
@@ -169,6 +177,11 @@ def predict(profile: Profile | Sequence[BlockProfile], segments: Sequence[Segmen
 
     ``segments`` must cover blocks 0 .. n - 1 in order. Returns a :class:`Prediction` (with ``timeline``: the live
     bytes at each block's forward and backward peak, for plots and debugging).
+
+    Args:
+        profile: a :class:`Profile` or its blocks
+        segments: the schedule
+        timeline: also return the timeline
     """
     blocks = profile.blocks if isinstance(profile, Profile) else tuple(profile)
     segments = check_segments(segments, 0, len(blocks))

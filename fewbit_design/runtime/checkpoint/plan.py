@@ -446,7 +446,12 @@ def _pareto(parts):
 
 
 def minimum_budget(profile: Profile, *, per_block: bool | None = None) -> int:
-    """The smallest peak any flat plan reaches (the smallest feasible budget for ``"optimal"``)."""
+    """The smallest peak any flat plan reaches (the smallest feasible budget for ``"optimal"``).
+
+    Args:
+        profile: the profile
+        per_block: segments of one block only (a ModuleList); None: the profile's own setting
+    """
     per_block = profile.per_block if per_block is None else per_block
     terms = _terms(profile, 1 if per_block else None)
     high = predict(profile, _plain(0, len(profile.blocks))).peak_bytes

@@ -129,6 +129,9 @@ def calibrate(
     ``torch.compile`` gives the same names as the model itself, without ``_orig_mod.``; a model that is itself an
     activation module is named ''). ``save_dir`` also receives ``<name>.npy`` (quantile samples, the CLI's
     ``--samples`` input) and ``<name>.npz`` (the histogram) per layer (``model.npy`` for the name '').
+
+    Args:
+        bins: histogram bins per layer (the range doubles by merging bins, so memory stays bounded)
     """
     bits = check_bits(bits)
     if not isinstance(model, torch.nn.Module):

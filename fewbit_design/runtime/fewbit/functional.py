@@ -20,7 +20,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .lookup import TableLike, resolve_table
+from .lookup import TableLike, document_arguments, resolve_table
 from .ops import fewbit_activation, table_tensors
 
 __all__ = [
@@ -194,3 +194,8 @@ def quick_gelu(input, *, bits=3, weight="uniform", mode="levelsets", table=None)
 def relu_squared(input, *, bits=3, weight="uniform", mode="levelsets", table=None):
     """Few-bit relu(x) ** 2 (Primer's activation; forward bitwise as in transformers)."""
     return _apply("relu_squared", input, {}, relu_squared_native, bits, weight, mode, table)
+
+
+for _name in __all__:
+    document_arguments(globals()[_name], f"torch.nn.functional.{_name}")
+del _name

@@ -19,6 +19,7 @@ elu.json` and pass table='elu.json'
 from __future__ import annotations
 
 import functools
+import inspect
 import math
 import os
 from collections.abc import Mapping
@@ -95,6 +96,44 @@ def check_kernel_table(table: Table) -> Table:
 TableLike = Table | Mapping[str, Any] | str | os.PathLike
 
 
+TABLE_ARGUMENTS = {
+    "bits": "bits per element kept for backward, 1..8 (default 3; a given ``table``'s bits win)",
+    "weight": "the shipped table's weight, ``'uniform'`` (default) or ``'normal'``",
+    "mode": "the shipped table's mode, ``'levelsets'`` (default) or ``'intervals'``",
+    "table": "a :class:`~fewbit_design.table.Table`, a ``fewbit-table/1`` dict or a path, used instead of a shipped "
+    "table (it must be for the same activation and parameters)",
+}
+
+
+def document_arguments(function: Any, torch_name: str) -> None:
+    """Append an ``Args:`` section to the docstring of a few-bit drop-in for torch's ``torch_name``: every argument of
+    ``function``'s signature, torch's described as torch's and the table arguments from :data:`TABLE_ARGUMENTS`.
+
+    The few-bit modules and functions share one signature pattern (torch's arguments, then ``bits``, ``weight``,
+    ``mode``, ``table``), so their argument documentation is written here once, not in 46 docstrings.
+
+    Args:
+        function: the few-bit function, or a module's ``__init__`` (the docstring changed is then the class's:
+            pass the class itself).
+        torch_name: torch's name for what it replaces, e.g. ``torch.nn.functional.gelu``.
+    """
+    target = function.__init__ if isinstance(function, type) else function
+    lines = []
+    for name in inspect.signature(target).parameters:
+        if name == "self":
+            continue
+        if name in TABLE_ARGUMENTS:
+            text = TABLE_ARGUMENTS[name]
+        elif name == "input":
+            text = "the input tensor (any shape, dtype float16/bfloat16/float32/float64)"
+        elif name == "inplace":
+            text = "accepted for compatibility with torch and ignored (the result is computed out of place)"
+        else:
+            text = f"as in ``{torch_name}``"
+        lines.append(f"    {name}: {text}")
+    function.__doc__ = (function.__doc__ or "").rstrip() + "\n\nArgs:\n" + "\n".join(lines) + "\n"
+
+
 def tables_root(root: str | os.PathLike | None = None) -> Path:
     """The folder of shipped tables: ``root`` if given, else ``$FEWBIT_TABLES_DIR``, else the package folder."""
     if root is not None:
@@ -126,6 +165,13 @@ def design_command(
 
     >>> design_command("elu", {"alpha": 0.5}, bits=3)
     'fewbit-design elu --param alpha=0.5 --bits 3 --weight uniform --out elu.json'
+
+    Args:
+        activation: the registry name
+        params: its parameters (defaults left out of the command)
+        bits: bits per element
+        weight: the weight
+        mode: the mode
     """
     bound = activations.bind(activation, dict(params or {}))
     parts = ["fewbit-design", bound.name]
@@ -218,6 +264,14 @@ def load_table(
 
     >>> load_table("gelu", bits=3).bits          # doctest: +SKIP
     3
+
+    Args:
+        activation: torch.nn.functional name or torch class name
+        params: the activation's parameters (torch's defaults fill in the rest)
+        bits: bits per element
+        weight: ``'uniform'`` or ``'normal'``
+        mode: ``'levelsets'`` or ``'intervals'``
+        root: the tables folder (default: the shipped one, or ``FEWBIT_TABLES_DIR``)
     """
     bound = activations.bind(activation, dict(params or {}))
     bits = check_bits(bits)
@@ -264,7 +318,11 @@ def _load_file_cached(path: str, mtime_ns: int, size: int) -> Table:
 
 
 def load_table_file(path: str | os.PathLike) -> Table:
-    """Load and validate a table file, cached until the file changes."""
+    """Load and validate a table file, cached until the file changes.
+
+    Args:
+        path: the table file
+    """
     resolved = Path(path).expanduser()
     try:
         stat = resolved.stat()

@@ -32,7 +32,7 @@ from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
 from .functional import quick_gelu_native, relu_squared_native
-from .lookup import TableLike, as_table, resolve_table
+from .lookup import TableLike, as_table, document_arguments, resolve_table
 from .ops import decode_table, encode_table, fewbit_activation
 
 __all__ = [
@@ -633,6 +633,11 @@ CLASSES: dict[str, type[_Activation]] = {
         ReLUSquared,
     )
 }
+
+
+for _cls in CLASSES.values():
+    document_arguments(_cls, f"torch.nn.{_cls.__name__}")
+del _cls
 
 
 def from_torch(module: torch.nn.Module, **kwargs: Any) -> _Activation:

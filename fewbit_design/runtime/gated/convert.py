@@ -91,7 +91,13 @@ class Skipped:
 
 @dataclass
 class GatedReport:
-    """What :func:`convert` did (``model.gated_report``)."""
+    """What :func:`convert` did (``model.gated_report``).
+
+    Attributes:
+        replaced: the gated MLPs replaced (names, class, layout)
+        skipped: the candidates left alone, with the reason
+        already: how many were converted already
+    """
 
     replaced: list[Replaced] = field(default_factory=list)
     skipped: list[Skipped] = field(default_factory=list)

@@ -53,6 +53,12 @@ class GatedMLP(torch.nn.Module):
     ...                 "down_proj": torch.nn.Linear(8, 4)}, LAYOUTS[0], "silu")
     >>> mlp(torch.randn(2, 3, 4)).shape
     torch.Size([2, 3, 4])
+
+    Args:
+        children: the original module's children, by name (the same objects)
+        layout: where the gate, up and down linears are (:class:`Layout`)
+        activation: one of :data:`~.ops.ACTIVATIONS`
+        original: the replaced class's name, for reports
     """
 
     #: the op computes the activation: the original activation child is kept (names, state) but never called, so

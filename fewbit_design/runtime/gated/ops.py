@@ -90,7 +90,18 @@ def gated_mlp_reference(
     b_down: torch.Tensor | None,
     activation: str,
 ) -> torch.Tensor:
-    """The pattern in plain torch (native autograd; the oracle). ``w_up`` None: ``w_gate`` is the fused weight."""
+    """The pattern in plain torch (native autograd; the oracle). ``w_up`` None: ``w_gate`` is the fused weight.
+
+    Args:
+        x: the input, shape (..., H)
+        w_gate: gate weight (I, H), or the fused gate-then-up weight (2I, H) when ``w_up`` is None
+        b_gate: gate bias or None
+        w_up: up weight (I, H), or None (fused into ``w_gate``)
+        b_up: up bias or None
+        w_down: down weight (H, I)
+        b_down: down bias or None
+        activation: one of :data:`ACTIVATIONS`
+    """
     if w_up is None:
         gate, up = _linear(x, w_gate, b_gate).chunk(2, dim=-1)
     else:
@@ -279,6 +290,16 @@ def gated_mlp(
     ``w_up`` None: ``w_gate`` (and ``b_gate``) is the fused (2I, H) gate-then-up weight (Phi-3's ``gate_up_proj``).
     Weights follow ``torch.nn.Linear`` (out_features, in_features). Under ``torch.autocast`` the inputs are cast to
     the autocast dtype first, as ``torch.nn.Linear`` is.
+
+    Args:
+        x: the input, shape (..., H)
+        w_gate: gate weight (I, H), or the fused gate-then-up weight (2I, H) when ``w_up`` is None
+        b_gate: gate bias or None
+        w_up: up weight (I, H), or None (fused into ``w_gate``)
+        b_up: up bias or None
+        w_down: down weight (H, I)
+        b_down: down bias or None
+        activation: one of :data:`ACTIVATIONS`
     """
     x, weights = prepare_inputs(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation)
     leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])

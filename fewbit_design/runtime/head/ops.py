@@ -56,6 +56,11 @@ def default_chunk_rows(rows: int, hidden_size: int, vocab_size: int) -> int:
 
     >>> default_chunk_rows(512, 64, 32000)   # the fewest rows whose float32 logits take 4 MiB
     33
+
+    Args:
+        rows: the rows of the call
+        hidden_size: H
+        vocab_size: V
     """
     by_input = -(-rows * hidden_size // max(vocab_size, 1))
     by_floor = -(-MIN_CHUNK_BYTES // (4 * max(vocab_size, 1)))
@@ -287,7 +292,18 @@ def lm_loss_reference(
     logit_scale: float = 1.0,
     softcap: float | None = None,
 ) -> torch.Tensor:
-    """The same loss on the whole logits with native torch ops (the oracle): what a Hugging Face model computes."""
+    """The same loss on the whole logits with native torch ops (the oracle): what a Hugging Face model computes.
+
+    Args:
+        hidden: hidden states (..., H)
+        weight: the head's weight (V, H)
+        labels: target ids (...)
+        bias: the head's bias or None
+        ignore_index: label value that takes no part
+        reduction: ``'mean'`` or ``'sum'``
+        logit_scale: logits are multiplied by it
+        softcap: logits become ``softcap * tanh(logits / softcap)`` (None: no cap)
+    """
     logits = F.linear(hidden, weight, bias).to(_compute_dtype(hidden.dtype)) * logit_scale
     if softcap is not None:
         logits = torch.tanh(logits / softcap) * softcap

@@ -33,7 +33,16 @@ __all__ = ["convert", "LinearReport"]
 @dataclass
 class LinearReport:
     """What :func:`convert` did: ``replaced`` (qualified names, original class), ``skipped`` (names, class,
-    reason) and how many layers were compressed already."""
+    reason) and how many layers were compressed already.
+
+    Attributes:
+        bits: the bits of the codes
+        group_size: elements per group
+        rounding: ``'stochastic'`` or ``'nearest'``
+        replaced: qualified names and original class of the layers replaced
+        skipped: names, class and reason of the layers left alone
+        already: how many layers were compressed already
+    """
 
     bits: int
     group_size: int

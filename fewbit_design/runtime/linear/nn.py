@@ -34,6 +34,16 @@ class CompressedLinear(_Compressed, torch.nn.Linear):
     >>> layer = CompressedLinear(64, 8, bits=4)
     >>> layer(torch.randn(2, 64)).shape
     torch.Size([2, 8])
+
+    Args:
+        in_features: as in ``nn.Linear``
+        out_features: as in ``nn.Linear``
+        bias: as in ``nn.Linear``
+        bits: bits per element of the saved input codes (1..8)
+        group_size: elements per quantization group (each has its own low and step)
+        rounding: ``'stochastic'`` (unbiased weight gradient) or ``'nearest'``
+        device: as in ``nn.Linear``
+        dtype: as in ``nn.Linear``
     """
 
     def __init__(
@@ -45,8 +55,8 @@ class CompressedLinear(_Compressed, torch.nn.Linear):
         bits: int = 8,
         group_size: int = GROUP_SIZE,
         rounding: str = "stochastic",
-        device=None,
-        dtype=None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
         self._set_options(bits, group_size, rounding)

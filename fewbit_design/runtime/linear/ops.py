@@ -157,6 +157,15 @@ def compressed_linear(
     >>> x = torch.randn(4, 64)
     >>> torch.equal(compressed_linear(x, layer.weight, layer.bias, bits=4), layer(x))
     True
+
+    Args:
+        x: the input, features last
+        weight: (out, in), or (in, out) with ``transposed``
+        bias: the bias or None
+        bits: bits per element of the saved codes
+        group_size: elements per quantization group
+        rounding: ``'stochastic'`` or ``'nearest'``
+        transposed: Conv1D's layout
     """
     bits, group_size, rounding = check_options(bits, group_size, rounding)
     if not (torch.is_grad_enabled() and weight.requires_grad):

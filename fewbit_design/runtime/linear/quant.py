@@ -69,7 +69,13 @@ def check_options(bits: object, group_size: object, rounding: object) -> tuple[i
 
 
 def saved_nbytes(shape: torch.Size | tuple[int, ...], bits: int, group_size: int) -> int:
-    """Bytes kept for an input of ``shape`` (features last): packed codes plus float32 (low, step) per group."""
+    """Bytes kept for an input of ``shape`` (features last): packed codes plus float32 (low, step) per group.
+
+    Args:
+        shape: the input's shape (features last)
+        bits: bits per code
+        group_size: values per group
+    """
     features = int(shape[-1]) if len(shape) else 1
     numel = 1
     for size in shape:
@@ -108,7 +114,15 @@ def quantize_groups(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scales)`` of ``x`` (features last; any float dtype, any device): packed uint8 codes of the
     ``rows * features`` values in row-major order, and float32 ``(low, step)`` per group, shape (rows, groups, 2).
-    Pure torch (the reference; the packing runs its numba kernel on CPU)."""
+    Pure torch (the reference; the packing runs its numba kernel on CPU).
+
+    Args:
+        x: the values, features last
+        bits: bits per code
+        group_size: values per group along the features
+        stochastic: stochastic rounding (unbiased) instead of nearest
+        seed: the seed of the stochastic rounding
+    """
     features = x.shape[-1] if x.dim() else 1
     rows = x.numel() // features if features else 0
     groups = -(-features // group_size)
@@ -140,7 +154,16 @@ def quantize_groups(
 def dequantize_groups(
     packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The decoded values ``low + code * step`` as a (rows, features) tensor of ``dtype`` (computed in float32)."""
+    """The decoded values ``low + code * step`` as a (rows, features) tensor of ``dtype`` (computed in float32).
+
+    Args:
+        packed: the packed codes from :func:`quantize_groups`
+        scales: its (low, step) per group
+        features: the feature count (the last dimension)
+        bits: bits per code
+        group_size: values per group
+        dtype: the dtype of the result
+    """
     rows, groups = scales.shape[0], scales.shape[1]
     if rows * features == 0:
         return torch.zeros(rows, features, dtype=dtype, device=scales.device)

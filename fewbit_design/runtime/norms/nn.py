@@ -20,7 +20,8 @@ class MemorySharingNorm(torch.nn.Module):
         kind: one of :data:`.ops.KINDS`, the original module's formula.
         eps: the epsilon added to the variance; ``None`` (``torch.nn.RMSNorm``'s default) is the machine epsilon of
             the compute dtype (float32 for 16-bit input, as torch does).
-        weight, bias: the original module's parameters (shared, not copied), or None.
+        weight: the original module's weight (shared, not copied), or None.
+        bias: the original module's bias (shared, not copied), or None.
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
 
     >>> norm = MemorySharingNorm((8,), kind="rms_norm", eps=1e-6, weight=torch.nn.Parameter(torch.ones(8)))

@@ -255,7 +255,18 @@ def memory_sharing_norm(
     threshold: float = DEFAULT_THRESHOLD,
 ) -> torch.Tensor:
     """The norm of ``kind`` over the last ``normalized_ndim`` dimensions of ``x``; for backward it keeps only its
-    output, the rows' rstd and the kept channels' xhat (see the module docstring)."""
+    output, the rows' rstd and the kept channels' xhat (see the module docstring).
+
+    Args:
+        x: the input
+        weight: the norm's weight (None: no affine weight)
+        bias: the norm's bias (None: no bias)
+        kind: one of :data:`KINDS` (``'layer_norm'``, ``'rms_norm'`` and the LLaMA, T5 and Gemma RMSNorm variants)
+        normalized_ndim: how many trailing dimensions are normalised
+        eps: the norm's epsilon
+        threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input (see the module
+            docstring)
+    """
     check_choice("norm kind", kind, KINDS)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not needs_grad:

@@ -103,7 +103,12 @@ def _class_forward(module: torch.nn.Module, offloader: _ModuleOffloader) -> _Off
 
 
 class OffloadHandle:
-    """What :func:`apply` returns: ``stats`` of the latest step, and ``remove()`` to restore the modules."""
+    """What :func:`apply` returns: ``stats`` of the latest step, and ``remove()`` to restore the modules.
+
+    Args:
+        offloader: the object that holds the wrapped forwards (internal)
+        modules: the modules whose forwards were wrapped
+    """
 
     def __init__(self, offloader: _ModuleOffloader, modules: list[torch.nn.Module]) -> None:
         self._offloader = offloader
@@ -170,6 +175,11 @@ def apply(
     each call of a chosen module is a block: the small tensors it saves go out in one transfer when it returns.
 
     Args:
+        target: ``"auto"``, ``"disk"`` or ``"cuda-host"``, as in :func:`saved_tensors`
+        min_bytes: smaller saved tensors stay where they are
+        prefetch: transfers in flight each way (0: synchronous)
+        max_host_bytes: a cap on what one step holds in pinned memory or in its file
+        directory: the disk target's folder (default: the temporary folder)
         model: the model; changed in place (each chosen module's ``forward`` is wrapped).
         modules: ``None`` (the whole model), or submodules, qualified names (``"encoder.layers.0"``) or module
             classes (every submodule of that class), alone or in a list.

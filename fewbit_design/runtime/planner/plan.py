@@ -38,7 +38,11 @@ MAX_PLAN_BYTES = 64 * 2**20
 
 
 def format_bytes(nbytes: float) -> str:
-    """``1.5 MiB`` style (binary units)."""
+    """``1.5 MiB`` style (binary units).
+
+    Args:
+        nbytes: a number of bytes
+    """
     value = float(nbytes)
     for unit in ("B", "KiB", "MiB", "GiB"):
         if abs(value) < 1024 or unit == "GiB":
@@ -62,6 +66,9 @@ class MemoryPlan:
     """A plan from :func:`fewbit_design.runtime.plan_memory` (see its docstring for the algorithm).
 
     Attributes:
+        facts: what profiling measured beside the costs (the unconverted peak, saved bytes, ...), for the report
+        measured: what :meth:`measure` found, or None
+        fingerprint: the blocks' classes and parameter shapes, checked when the plan is applied
         chain: qualified name of the chain ("" for the model itself).
         choices: one option per block (``"plain"``, ``"fewbit"``, ``"fewbit+checkpoint"``, ...).
         costs: the profile: every measured option of every block and the fixed parts of the step.

@@ -154,6 +154,9 @@ def revnet(
     'batch' keeps them). Activation memory does not grow with ``depth``.
 
     Args:
+        in_channels: input image channels
+        num_classes: outputs of the head
+        dropout: dropout probability inside ``f`` and ``g`` (replayed in backward)
         depth: number of couplings, spread over the stages.
         channels: channels after the stem (even).
         pooling: pooling kind after each stage but the last.
@@ -205,6 +208,18 @@ def layerwise_net(
     InvertibleLeakyReLU -> InvertibleConv2d, with invertible poolings between stages, all in one
     :class:`ReversibleSequence` of single layers. Backward reconstructs every layer's input from the layer above,
     so errors compound over the 2 x depth batch-norm and leaky-ReLU inverses (SNR falls with depth).
+
+    Args:
+        depth: number of units, spread over the stages
+        channels: channels after the stem (even)
+        pooling: pooling kind after each stage but the last (``'channel'`` or ``'batch'``)
+        negative_slope: the leaky ReLUs' slope
+        gamma_floor: the batch norms' scale floor
+        in_channels: input image channels
+        num_classes: outputs of the head
+        input_size: (height, width) of the input; when given, odd spatial sizes at a pooling are rejected at
+            construction
+        reconstruct: ``False`` stores every activation with plain autograd (the oracle)
     """
     check_positive("layerwise_net negative_slope", negative_slope)
     plan = _plan("layerwise_net", depth, channels, pooling, input_size, 2)
@@ -238,6 +253,14 @@ def hybrid_net(
     (no local bottleneck) and errors do not compound across blocks. Channels must be divisible by 4.
 
     Args:
+        pooling: pooling kind after each stage but the last (``'channel'`` or ``'batch'``)
+        negative_slope: the leaky ReLUs' slope
+        gamma_floor: the batch norms' scale floor
+        in_channels: input image channels
+        num_classes: outputs of the head
+        input_size: (height, width) of the input; when given, odd spatial sizes at a pooling are rejected at
+            construction
+        units_per_function: layer-wise units in each ``f`` and ``g``
         branch_scale: the scale ``h`` of ``f`` and ``g`` in every coupling: ``y1 = x1 + h f(x2)``,
             ``y2 = x2 + h g(y1)``. ``None`` (default) is ``1 / depth``; 1.0 is the unscaled block of the paper.
             Inverse, gradients (equal to the store-everything network's), saved bytes and running statistics do
@@ -315,7 +338,16 @@ def resnet(
     input_size: tuple[int, int] | None = None,
 ) -> ReversibleNet:
     """A plain (vanilla) residual network with the stages and poolings of :func:`revnet` and as many weights:
-    every activation is stored, so its memory grows linearly with ``depth``. The baseline of the benchmarks."""
+    every activation is stored, so its memory grows linearly with ``depth``. The baseline of the benchmarks.
+
+    Args:
+        depth: number of residual blocks
+        channels: channels after the stem
+        pooling: pooling kind after each stage but the last
+        in_channels: input image channels
+        num_classes: outputs of the head
+        input_size: (height, width) of the input, checked at construction when given
+    """
     plan = _plan("resnet", depth, channels, pooling, input_size, 2)
     blocks: list[nn.Module] = []
     for units, width, kind in plan:

@@ -87,7 +87,8 @@ class AdditiveCoupling(InvertibleModule):
     recomputes them with autograd on (RevNet).
 
     Args:
-        f, g: the two residual functions.
+        f: the first residual function (of x2).
+        g: the second residual function (of y1).
         split_dim: the dimension split in two halves (channels for images).
         scale: the branch scale ``h > 0``, a fixed number: one step of size ``h`` of the flow ``dx/dt = (f, g)``
             (leapfrog form; Haber & Ruthotto 2017, Chang et al. 2018). The architectures set it to
@@ -266,6 +267,7 @@ class ReversibleSequence(InvertibleModule):
         reconstruct: ``False`` runs the blocks with plain autograd, storing every activation (the oracle).
 
     >>> import torch
+    >>> from fewbit_design.runtime.reversible import ChannelPool2d, InvertibleBatchNorm2d, InvertibleLeakyReLU
     >>> seq = ReversibleSequence(InvertibleLeakyReLU(0.5), ChannelPool2d(), InvertibleBatchNorm2d(4))
     >>> x = torch.randn(2, 1, 4, 4, dtype=torch.float64)
     >>> seq.train(False) and torch.allclose(seq.inverse(seq(x)), x)

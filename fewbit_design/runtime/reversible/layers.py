@@ -41,6 +41,15 @@ class InvertibleBatchNorm2d(InvertibleModule, nn.BatchNorm2d):
     :class:`ReversibleSequence` they are saved for backward per call), in eval mode the running statistics.
 
     Running statistics follow ``nn.BatchNorm2d`` (unbiased variance, ``momentum``, ``num_batches_tracked``).
+
+    Args:
+        num_features: channels C
+        gamma_floor: the lower bound added to |gamma| (above)
+        eps: as in ``nn.BatchNorm2d``
+        momentum: as in ``nn.BatchNorm2d``
+        track_running_stats: as in ``nn.BatchNorm2d``
+        device: as in torch.nn
+        dtype: as in torch.nn
     """
 
     def __init__(
@@ -151,6 +160,9 @@ class InvertibleLeakyReLU(InvertibleModule):
     The slope ``n`` sets the SNR reduction factor of the inverse, ``(1 + n^2)^2 / (4 n^2)``
     (:func:`fewbit_design.design.snr.leaky_relu_alpha`): 1.56 for n = 0.5, 6.8 for 0.2, 26 for 0.1. Hence the default
     0.2 rather than torch's 0.01 (whose factor, 2500, leaves nothing of a float32 signal after 5 layers).
+
+    Args:
+        negative_slope: the slope n (> 0, so the inverse exists)
     """
 
     def __init__(self, negative_slope: float = 0.2):
@@ -173,6 +185,13 @@ class InvertibleConv2d(AdditiveCoupling):
 
     Raises :class:`FewBitError` at construction when ``channels`` is odd (the halves would not match) or the
     kernel size is even (the spatial size would change).
+
+    Args:
+        channels: channels (even)
+        kernel_size: odd kernel size
+        bias: whether the convolutions have a bias
+        device: as in torch.nn
+        dtype: as in torch.nn
     """
 
     def __init__(

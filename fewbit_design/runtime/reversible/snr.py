@@ -179,6 +179,12 @@ def inverse_snr_factor(block: InvertibleModule, x: torch.Tensor, *, noise: float
     standard deviation ``noise * rms(y)`` is added to ``y``; the inverse (with the statistics of this forward)
     gives ``x_hat``; ``SNR_y = |y|^2 / |e_y|^2`` and ``SNR_x = |x|^2 / |x_hat - x|^2``. Run it in float64 so that
     rounding is negligible against the injected noise. Running statistics are left untouched.
+
+    Args:
+        block: the invertible module
+        x: its input
+        noise: the noise's standard deviation relative to rms(y)
+        seed: the noise's random seed
     """
     if not isinstance(block, InvertibleModule):
         raise FewBitError(f"inverse_snr_factor needs an InvertibleModule, got {type(block).__name__}")

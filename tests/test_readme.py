@@ -1,0 +1,98 @@
+"""Every command in the README is run by CI or by a test, and the README stays short (issue 24).
+
+The README's shell commands (fenced ``bash`` blocks, and inline code that starts with a command) are each listed in
+``WHERE_RUN`` with the file that runs them; the test checks that the file really contains the command, so a command
+added to the README, or dropped from CI, fails here. The README's Python example runs here as written.
+"""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+README = ROOT / "README.md"
+COMMAND = re.compile(r"^(bash|python3?|pip|fewbit-design|mkdocs|ruff|pytest)\s")
+
+# command -> (file that runs it, text of that file that shows it does)
+WHERE_RUN = {
+    # .ci/run reads these two from the README lines marked "# main job" and "# tests" (test_ci_reads_the_quick_start)
+    "bash scripts/setup.sh && fewbit-design gelu --bits 3 --weight normal": (".ci/run", "# main job"),
+    "bash scripts/test.sh": (".ci/run", "# tests"),
+    "python3 -m venv .venv && . .venv/bin/activate": (
+        ".ci/run",
+        "python3 -m venv .venv\n# shellcheck disable=SC1091\n. .venv/bin/activate",
+    ),
+    "fewbit-design tables verify": (".ci/run", "\nfewbit-design tables verify\n"),
+    "mkdocs build --strict": ("tests/test_docs.py", '"mkdocs", "build", "--strict"'),
+}
+
+
+def _blocks(text: str, language: str) -> list[str]:
+    return re.findall(rf"^```{language}\n(.*?)^```", text, flags=re.M | re.S)
+
+
+def readme_commands(text: str) -> list[str]:
+    commands = []
+    for block in _blocks(text, "bash"):
+        for line in block.splitlines():
+            line = re.sub(r"\s+#.*$", "", line).strip()
+            if line and not line.startswith("#"):
+                commands.append(line)
+    prose = re.sub(r"^```.*?^```", "", text, flags=re.M | re.S)
+    for span in re.findall(r"`([^`]+)`", prose):
+        span = " ".join(span.split())
+        if COMMAND.match(span):
+            commands.append(span)
+    return commands
+
+
+def test_readme_is_at_most_250_lines() -> None:
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_every_readme_command_is_run_by_ci_or_a_test() -> None:
+    commands = readme_commands(README.read_text())
+    assert "bash scripts/test.sh" in commands
+    unlisted = [command for command in commands if command not in WHERE_RUN]
+    assert unlisted == [], "README commands that nothing runs: add them to CI or a test, and to WHERE_RUN"
+    for command in commands:
+        path, evidence = WHERE_RUN[command]
+        assert evidence in (ROOT / path).read_text(), f"{path} no longer runs {command!r}"
+
+
+def test_the_command_extraction_sees_inline_and_fenced_commands() -> None:
+    text = "x\n\n```bash\nfoo --bar   # note\n# only a comment\n```\n\nRun `pip install\nthis` or `not a command`.\n"
+    assert readme_commands(text) == ["foo --bar", "pip install this"]
+
+
+def test_ci_reads_the_quick_start_commands_from_the_readme() -> None:
+    """The same extraction as .ci/run's grep/sed, on the README: both commands found, exactly as WHERE_RUN lists."""
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert "grep -m1 -E '^[^#].*# main job$' README.md" in ci and "grep -m1 -E '^[^#].*# tests$' README.md" in ci
+    lines = README.read_text().splitlines()
+    found = {}
+    for marker in ("# main job", "# tests"):
+        line = next(line for line in lines if not line.startswith("#") and line.endswith(marker))
+        found[marker] = re.sub(rf"\s*{marker}$", "", line)
+    assert found == {
+        "# main job": "bash scripts/setup.sh && fewbit-design gelu --bits 3 --weight normal",
+        "# tests": "bash scripts/test.sh",
+    }
+
+
+def test_the_readme_python_example_runs(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    (example,) = _blocks(README.read_text(), "python")
+    script = tmp_path / "example.py"
+    script.write_text(example)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    result = subprocess.run(
+        [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300, check=False
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "replaced 2 module(s)" in result.stdout
