@@ -64,7 +64,16 @@ def saved_nbytes_per_token(
     hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, derivative_bits: int = 3, tokens: int = 1
 ) -> int:
     """Bytes the compressed mode keeps for ``tokens`` tokens (x: hidden features, gate and up: width each): K-bit
-    codes and scales of x, a and up plus the few-bit codes of act'(gate) (per token when ``tokens`` is 1)."""
+    codes and scales of x, a and up plus the few-bit codes of act'(gate) (per token when ``tokens`` is 1).
+
+    Args:
+        hidden: H, the features of x.
+        width: I, the features of gate and up.
+        bits: bits of the value codes.
+        group_size: elements per group sharing one scale and offset.
+        derivative_bits: bits of the few-bit codes of act'(gate).
+        tokens: how many tokens.
+    """
     x_bytes = saved_nbytes((tokens, hidden), bits, group_size)
     return x_bytes + 2 * saved_nbytes((tokens, width), bits, group_size) + -(-tokens * width // 8) * derivative_bits
 
@@ -297,7 +306,22 @@ def gated_mlp_compressed(
 ) -> torch.Tensor:
     """``down(act(gate(x)) * up(x))`` for x of shape (..., H), bitwise the exact op's output, keeping few-bit codes
     of act'(gate) (the table in ``tensors``, one for ``activation``'s derivative) and ``bits``-bit group codes of x,
-    a and up for backward (module docstring). Arguments as :func:`~.ops.gated_mlp`."""
+    a and up for backward (module docstring).
+
+    Args:
+        x: the input (..., H), as :func:`~.ops.gated_mlp`.
+        w_gate: the gate projection's weight (I, H), or the fused gate_up weight (2I, H) with ``w_up`` None.
+        b_gate: its bias, or None.
+        w_up: the up projection's weight (I, H), or None with a fused ``w_gate``.
+        b_up: its bias, or None.
+        w_down: the down projection's weight (H, I).
+        b_down: its bias, or None.
+        activation: the activation's name, as :func:`~.ops.gated_mlp`.
+        tensors: the few-bit table of ``activation``'s derivative.
+        bits: bits of the value codes (2-8).
+        group_size: elements per group sharing one scale and offset.
+        rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
+    """
     bits, group_size, rounding = check_options(bits, group_size, rounding)
     weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
     x, weights = prepare_inputs(x, weights, activation)

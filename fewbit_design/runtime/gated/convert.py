@@ -97,6 +97,8 @@ class GatedReport:
         replaced: the gated MLPs replaced (names, class, layout)
         skipped: the candidates left alone, with the reason
         already: how many were converted already
+        mode: the mode the replacements run (``"exact"`` or ``"compressed"``)
+        bits: the bits of the compressed mode's value codes (unused in exact mode)
     """
 
     replaced: list[Replaced] = field(default_factory=list)

@@ -111,7 +111,7 @@ def convert_options(options: Any, where: str = "convert") -> dict[str, Any] | No
         return None
     if not isinstance(options, Mapping):
         raise FewBitError(f"{where} must be a dict of runtime.convert's keyword arguments or None, got {show(options)}")
-    from ..fewbit.convert import convert
+    from ..conversion import convert
 
     known = [name for name in _signature_names(convert) if name != "model" and name not in NOT_RECORDED]
     for key, why in NOT_RECORDED.items():
@@ -229,7 +229,7 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     if data["plan"] is not None:
         data["plan"].check_model(model)  # the architecture, before convert changes anything
     if data["convert"] is not None:
-        from ..fewbit.convert import convert
+        from ..conversion import convert
 
         model = convert(model, **data["convert"])
     if data["plan"] is not None:

@@ -65,16 +65,19 @@ class FewBitCallback(TrainerCallback):
         lines, figures = [], {}
         converted = model
         if self.convert is not None:
-            from ..fewbit.convert import convert
+            from ..conversion import convert
 
             converted = convert(model, **self.convert)
             if converted is not model:
                 raise FewBitError("FewBitCallback: convert returned another model; the Trainer keeps the one it has")
-            report = getattr(model, "fewbit_report", None)
+            report = model.convert_report
             lines.append(f"convert: {report}")
-            replaced = getattr(report, "replaced", None)
-            if replaced is not None:
-                figures["fewbit/replaced_modules"] = len(replaced)
+            figures["fewbit/replaced_modules"] = sum(
+                item.replaced for item in report.techniques if item.status == "applied"
+            )
+            for key in ("before", "after"):
+                if getattr(report, key) is not None:  # bytes saved for backward by one step of convert's probe
+                    figures[f"fewbit/convert_saved_bytes_{key}"] = getattr(report, key)
         plan = None
         if self.plan is not None:
             plan = self._plan(model, kwargs.get("train_dataloader"))

@@ -9,6 +9,7 @@ import pytest
 import torch
 from hf_tiny import loss_and_gradients, structure, tiny_gpt2, tokens
 
+from fewbit_design import runtime
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import hf
 from fewbit_design.runtime.fewbit.nn import FewBitModule
@@ -45,7 +46,10 @@ def test_the_callback_converts_plans_logs_and_trains_a_tiny_gpt2_and_the_saved_m
     assert sum(isinstance(module, FewBitModule) for module in model.modules()) == 2
     assert "checkpoint" in model.fewbit_memory_plan.choices
     first = trainer.state.log_history[0]
-    assert first["step"] == 0 and first["fewbit/replaced_modules"] == 2
+    norms = sum(isinstance(module, runtime.MemorySharingNorm) for module in model.modules())
+    assert norms == 5  # runtime.convert: ln_1 and ln_2 of both layers, and ln_f, beside the two GELUs
+    assert first["step"] == 0 and first["fewbit/replaced_modules"] == 2 + norms
+    assert first["fewbit/convert_saved_bytes_after"] < first["fewbit/convert_saved_bytes_before"]
     assert first["fewbit/predicted_peak_bytes"] <= first["fewbit/budget_bytes"] < first["fewbit/unconverted_peak_bytes"]
     assert [entry["step"] for entry in trainer.state.log_history[1:4]] == [1, 2, 3]  # the training losses follow
     logged = "\n".join(record.getMessage() for record in caplog.records if record.name == "fewbit_design.runtime.hf")
