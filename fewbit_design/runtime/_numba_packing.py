@@ -87,6 +87,17 @@ def _load_word(packed, group, bits):
     return word
 
 
+@numba.njit(cache=True, inline="always")
+def _unpack_buffer(packed, first_group, count, bits, buffer):
+    # the inverse of _pack_buffer: ``count`` codes from group ``first_group`` on into buffer[0 .. count)
+    mask = _low_mask(bits)
+    for group in range((count + _7) // _8):
+        word = _load_word(packed, first_group + group, bits)
+        base = group * _8
+        for k in range(min(_8, count - base)):
+            buffer[base + k] = _u8((word >> (_u64(k) * bits)) & mask)
+
+
 @numba.njit(cache=True, nogil=True)
 def pack_codes(codes, bits, out, start, stop):
     """Pack integer codes (any integer dtype; only the low ``bits`` bits are kept) into ``out``."""
@@ -140,27 +151,30 @@ if hasattr(os, "register_at_fork"):
     os.register_at_fork(after_in_child=_forget_pool)
 
 
-def split(n: int, parts: int) -> list[tuple[int, int]]:
-    """[0, n) cut into ``parts`` ranges of nearly equal length whose starts are multiples of ``CHUNK``."""
-    chunks = -(-n // CHUNK)
+def split(n: int, parts: int, grain: int = CHUNK) -> list[tuple[int, int]]:
+    """[0, n) cut into ``parts`` ranges of nearly equal length whose starts are multiples of ``grain``."""
+    chunks = -(-n // grain)
     parts = max(1, min(parts, chunks))
-    edges = [min(n, (chunks * index // parts) * CHUNK) for index in range(parts + 1)]
+    edges = [min(n, (chunks * index // parts) * grain) for index in range(parts + 1)]
     return [(edges[index], edges[index + 1]) for index in range(parts) if edges[index] < edges[index + 1]]
 
 
-def run(kernel, n: int, *args, threads: int | None = None):
+def run(kernel, n: int, *args, threads: int | None = None, grain: int = CHUNK, min_task: int = MIN_TASK):
     """``kernel(*args, start, stop)`` over [0, n): in the calling thread for small n, else split over ``threads``
     (default ``torch.get_num_threads()``) ranges, one of them in the calling thread. Returns the sum of the parts'
-    results for a kernel that returns a count (the quantize kernels count non-finite elements), else None."""
+    results for a kernel that returns a count (the quantize kernels count non-finite elements), else None.
+
+    ``grain``: every range starts at a multiple of it; ``min_task``: the least n a part is worth a thread for (both
+    in units of n: elements by default; the group quantizer of :mod:`.linear` runs over rows)."""
     if n <= 0:
         return None
     if threads is None:
         import torch
 
         threads = torch.get_num_threads()
-    if threads <= 1 or n < 2 * MIN_TASK:  # one part: no split, no pool (the fixed cost of a small call)
+    if threads <= 1 or n < 2 * min_task:  # one part: no split, no pool (the fixed cost of a small call)
         return kernel(*args, 0, n)
-    parts = split(n, min(threads, max(1, n // MIN_TASK)))
+    parts = split(n, min(threads, max(1, n // min_task)), grain)
     if len(parts) == 1:
         return kernel(*args, 0, n)
     futures = [_pool().submit(kernel, *args, start, stop) for start, stop in parts[1:]]

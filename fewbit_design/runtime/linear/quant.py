@@ -27,9 +27,15 @@ over ``2**bits - 1``; for Gaussian values the expected range of 64 samples is ab
 transformer hidden states): a group confines an outlier's large step to its 64 features. 64 is the smallest group
 whose scales cost at most one bit per element.
 
-Determinism: the noise of stochastic rounding comes from a ``torch.Generator`` seeded with ``seed`` on x's device,
-so the codes are a function of (x, bits, group_size, rounding, seed). The callers draw ``seed`` from torch's
-default CPU generator, so ``torch.manual_seed`` makes a run reproducible (as for dropout).
+Determinism: the noise of stochastic rounding is a counter-based hash of (seed, row, column)
+(:func:`noise_reference`: 24 random bits per element, computed where needed, no generator state and no noise tensor),
+so the codes are a function of (x, bits, group_size, rounding, seed), the same on every device and thread count. The
+callers draw ``seed`` from torch's default CPU generator, so ``torch.manual_seed`` makes a run reproducible (as for
+dropout). (Before the fused CPU kernel the noise was ``torch.rand`` from a generator seeded with ``seed``: the
+stochastic codes of a given seed changed then, their distribution did not; nearest rounding is bitwise as before.)
+
+Kernels: :func:`quantize_groups` and :func:`dequantize_groups` run one fused numba pass on CPU (:mod:`._numba_quant`)
+and the pure-torch ``*_reference`` elsewhere; both give the same bytes and values.
 
 >>> x = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
 >>> packed, scales = quantize_groups(x, 2, 4, stochastic=False, seed=0)
@@ -42,15 +48,18 @@ from __future__ import annotations
 import torch
 
 from ...errors import check_bits, check_choice, check_integer
-from .._packing import pack, unpack
+from .._packing import _numba_available, pack, packed_nbytes, unpack
 
 __all__ = [
     "GROUP_SIZE",
     "ROUNDINGS",
     "check_options",
     "saved_nbytes",
+    "noise_reference",
     "quantize_groups",
+    "quantize_groups_reference",
     "dequantize_groups",
+    "dequantize_groups_reference",
     "group_quantize",
     "group_dequantize",
 ]
@@ -96,17 +105,41 @@ def _grouped(x2d: torch.Tensor, group_size: int) -> torch.Tensor:
     return x2d.reshape(rows, groups, group_size)
 
 
-def _noise(shape: torch.Size, seed: int, device: torch.device) -> torch.Tensor:
-    """U[0, 1) float32 noise of ``shape`` from a generator seeded with ``seed`` (on ``device`` where torch has one,
-    else drawn on the CPU and moved)."""
-    try:
-        generator = torch.Generator(device=device)
-    except RuntimeError:
-        generator, device_for_draw = torch.Generator(), torch.device("cpu")
-    else:
-        device_for_draw = device
-    generator.manual_seed(seed)
-    return torch.rand(shape, generator=generator, device=device_for_draw, dtype=torch.float32).to(device)
+_MASK32 = 0xFFFFFFFF
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    # a 32-bit integer hash (Wellons' "lowbias32") on int64 values below 2**32 (a product may wrap past 2**63: the
+    # low 32 bits, all that is kept, are still exact)
+    x = x ^ (x >> 16)
+    x = (x * 0x7FEB352D) & _MASK32
+    x = x ^ (x >> 15)
+    x = (x * 0x846CA68B) & _MASK32
+    return x ^ (x >> 16)
+
+
+def noise_reference(rows: int, columns: int, seed: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """The stochastic-rounding noise u in [0, 1) of every (row, column), float32 (rows, columns): a counter-based
+    hash of (seed, row, column), so any element's noise is computed where it is needed (the CPU kernel draws it in
+    registers) and is the same on every device and thread count.
+
+    ``key(row) = mix32((mix32((row mod 2**32) ^ seed_low) + seed_high + row // 2**32) mod 2**32)``,
+    ``u = (mix32((column * 0x9E3779B9 + key(row)) mod 2**32) >> 8) * 2**-24``, with ``seed = seed_high * 2**32 +
+    seed_low`` and ``mix32`` a 32-bit integer hash. For a given row, distinct columns get distinct hash inputs.
+
+    Args:
+        rows: the rows
+        columns: the columns
+        seed: a non-negative integer below 2**63
+        device: where to compute
+    """
+    row = torch.arange(rows, dtype=torch.int64, device=device)
+    column = torch.arange(columns, dtype=torch.int64, device=device)
+    seed = int(seed)
+    first = _mix32((row & _MASK32) ^ (seed & _MASK32))
+    key = _mix32((first + ((seed >> 32) & _MASK32) + (row >> 32)) & _MASK32)
+    hashed = _mix32((column * 0x9E3779B9 + key.unsqueeze(1)) & _MASK32)
+    return (hashed >> 8).to(torch.float32) * 2.0**-24
 
 
 def quantize_groups(
@@ -114,7 +147,45 @@ def quantize_groups(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scales)`` of ``x`` (features last; any float dtype, any device): packed uint8 codes of the
     ``rows * features`` values in row-major order, and float32 ``(low, step)`` per group, shape (rows, groups, 2).
-    Pure torch (the reference; the packing runs its numba kernel on CPU).
+    On CPU with numba, one fused pass (:mod:`._numba_quant`; bfloat16 read natively); elsewhere
+    :func:`quantize_groups_reference`. Both give the same bytes.
+
+    Args:
+        x: the values, features last
+        bits: bits per code
+        group_size: values per group along the features
+        stochastic: stochastic rounding (unbiased) instead of nearest
+        seed: the seed of the stochastic rounding
+    """
+    if x.device.type != "cpu" or x.numel() == 0 or not _numba_available():
+        return quantize_groups_reference(x, bits, group_size, stochastic=stochastic, seed=seed)
+    from .. import _numba_packing
+    from . import _numba_quant as kernels
+
+    features = x.shape[-1] if x.dim() else 1
+    rows = x.numel() // features
+    values = x.detach().reshape(rows, features)
+    if values.dtype == torch.bfloat16:
+        kernel, source = kernels.quantize_bfloat16, values.contiguous().view(torch.uint16)
+    else:
+        kernel, source = kernels.quantize_float32, values.to(torch.float32).contiguous()
+    numel = rows * features
+    packed = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8)
+    if bits == 8:
+        packed[numel:] = 0  # the padding of the last group (8-bit codes are written in place, the rest packed)
+    scales = torch.empty(rows, -(-features // group_size), 2, dtype=torch.float32)
+    _numba_packing.run(
+        kernel, rows, source.reshape(-1).numpy(), features, group_size, bits, bool(stochastic), int(seed),
+        packed.numpy(), scales.numpy(), grain=8, min_task=max(8, _numba_packing.MIN_TASK // features),
+    )  # fmt: skip
+    return packed, scales
+
+
+def quantize_groups_reference(
+    x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool, seed: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`quantize_groups` in pure torch (any device; the oracle of the CPU kernel and the path on other
+    devices): float32 arithmetic, the noise of :func:`noise_reference`.
 
     Args:
         x: the values, features last
@@ -139,7 +210,7 @@ def quantize_groups(
     # t = (x - low) / step in [0, 2**bits - 1]; code = floor(t + u), u ~ U[0, 1) (stochastic) or u = 1/2 (nearest)
     position = (values - low.unsqueeze(-1)) * inverse.unsqueeze(-1)
     if stochastic:
-        position += _noise(position.shape, seed, x.device)
+        position += noise_reference(rows, groups * group_size, seed, x.device).view(position.shape)
     else:
         position += 0.5
     codes = position.floor_().clamp_(0.0, top).nan_to_num_(0.0).to(torch.uint8)
@@ -154,7 +225,42 @@ def quantize_groups(
 def dequantize_groups(
     packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """The decoded values ``low + code * step`` as a (rows, features) tensor of ``dtype`` (computed in float32).
+    """The decoded values ``low + code * step`` as a (rows, features) tensor of ``dtype`` (computed in float32, as
+    one fused multiply-add). On CPU with numba, one pass (:mod:`._numba_quant`; float32 and bfloat16 written
+    natively); elsewhere :func:`dequantize_groups_reference`. Both give the same values.
+
+    Args:
+        packed: the packed codes from :func:`quantize_groups`
+        scales: its (low, step) per group
+        features: the feature count (the last dimension)
+        bits: bits per code
+        group_size: values per group
+        dtype: the dtype of the result
+    """
+    rows = scales.shape[0]
+    if scales.device.type != "cpu" or rows * features == 0 or not _numba_available():
+        return dequantize_groups_reference(packed, scales, features, bits, group_size, dtype)
+    from .. import _numba_packing
+    from . import _numba_quant as kernels
+
+    if dtype == torch.bfloat16:
+        out = torch.empty(rows, features, dtype=torch.bfloat16)
+        kernel, target = kernels.dequantize_bfloat16, out.view(torch.uint16)
+    else:
+        out = target = torch.empty(rows, features, dtype=torch.float32)
+        kernel = kernels.dequantize_float32
+    _numba_packing.run(
+        kernel, rows, packed.detach().reshape(-1).contiguous().numpy(), scales.detach().to(torch.float32).contiguous().numpy(),
+        features, group_size, bits, target.view(-1).numpy(), grain=8,
+        min_task=max(8, _numba_packing.MIN_TASK // features),
+    )  # fmt: skip
+    return out if out.dtype == dtype else out.to(dtype)
+
+
+def dequantize_groups_reference(
+    packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`dequantize_groups` in pure torch (any device): ``torch.addcmul`` in float32, then ``dtype``.
 
     Args:
         packed: the packed codes from :func:`quantize_groups`
