@@ -249,9 +249,10 @@ def dequantize_groups(
     else:
         out = target = torch.empty(rows, features, dtype=torch.float32)
         kernel = kernels.dequantize_float32
+    codes = packed.detach().reshape(-1).contiguous().numpy()
+    group_scales = scales.detach().to(torch.float32).contiguous().numpy()
     _numba_packing.run(
-        kernel, rows, packed.detach().reshape(-1).contiguous().numpy(), scales.detach().to(torch.float32).contiguous().numpy(),
-        features, group_size, bits, target.view(-1).numpy(), grain=8,
+        kernel, rows, codes, group_scales, features, group_size, bits, target.view(-1).numpy(), grain=8,
         min_task=max(8, _numba_packing.MIN_TASK // features),
     )  # fmt: skip
     return out if out.dtype == dtype else out.to(dtype)
