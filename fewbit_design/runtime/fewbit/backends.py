@@ -290,7 +290,9 @@ def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: to
     return _LUT_CACHE[key]
 
 
+@functools.cache
 def _numba_kernels():
+    # cached: a function-level import statement costs microseconds a call (the fixed cost of a small forward)
     from . import _numba_kernels
 
     return _numba_kernels
@@ -312,10 +314,78 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.uint8)
 
 def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
+    if numel * dtype.itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype))
     return torch.empty(numel, dtype=dtype)
+
+
+class _CodesPlan(NamedTuple):
+    """What a quantize kernel needs beside x and the output, prepared once per (table, dtype, bits)."""
+
+    kernel: Callable[..., int]
+    layout: str  # how x enters the arguments: "lut16" (x as uint16 patterns), "compare" (x), "lut32" (x as uint16
+    # halves first, then the LUTs, then x before the last two tables, the boundaries and codes of the binary search)
+    tables: tuple  # the arguments beside x's (before the output)
+    owners: tuple  # the table tensors, held so that their addresses (part of the key) are not reused
+
+    def arguments(self, flat: torch.Tensor, out_np: np.ndarray) -> tuple:
+        x_np = flat.numpy() if self.layout != "lut16" else flat.view(torch.int16).numpy().view(np.uint16)
+        if self.layout == "lut32":
+            return (x_np.view(np.uint16), *self.tables[:-2], x_np, *self.tables[-2:], out_np)
+        return (x_np, *self.tables, out_np)
+
+
+_PLAN_CACHE: dict[tuple, _CodesPlan] = {}
+
+
+def _plan_key(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> tuple:
+    # the tensors' addresses and version counters (an in-place change of a table tensor bumps its version); the plan
+    # holds the tensors, so an address in the key cannot be reused by another table while the plan is cached
+    return (
+        dtype,
+        bits,
+        boundaries.data_ptr(),
+        boundaries._version,
+        boundaries.numel(),
+        interval_codes.data_ptr(),
+        interval_codes._version,
+        interval_codes.numel(),
+    )
+
+
+def _codes_plan(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> _CodesPlan:
+    """The cached :class:`_CodesPlan`: a call with a table seen before does no per-call Python work on the table
+    (converting it to numpy and hashing its bytes for the LUT cache cost 8 us a call, half a native GELU of 2^14)."""
+    if boundaries.device.type != "cpu" or interval_codes.device.type != "cpu" or boundaries.is_inference():
+        return _build_plan(dtype, boundaries, interval_codes, bits)
+    key = _plan_key(dtype, boundaries, interval_codes, bits)
+    plan = _PLAN_CACHE.get(key)
+    if plan is None:
+        if len(_PLAN_CACHE) >= _LUT_CACHE_SIZE:
+            _PLAN_CACHE.clear()
+        plan = _PLAN_CACHE[key] = _build_plan(dtype, boundaries, interval_codes, bits)
+    return plan
+
+
+def _build_plan(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> _CodesPlan:
+    kernels = _numba_kernels()
+    owners = (boundaries, interval_codes)
+    if dtype in (torch.float16, torch.bfloat16):
+        lut16 = _cached_lut(dtype, boundaries, interval_codes)
+        exponent = 0x7C00 if dtype == torch.float16 else 0x7F80
+        return _CodesPlan(kernels.quantize_pack_lut16(bits), "lut16", (lut16, exponent), owners)
+    # copies: the plan outlives no change of the table tensors (a change bumps their version, hence the key)
+    boundaries_np = boundaries.detach().cpu().numpy().copy()
+    codes_np = interval_codes.detach().cpu().numpy().copy()
+    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
+    if dtype == torch.float32 and sys.byteorder == "little":
+        direct, lut32, branchless = _cached_lut(dtype, boundaries, interval_codes)
+        if branchless:  # the direct table is not read
+            return _CodesPlan(
+                kernels.quantize_pack_lut32_branchless(bits), "lut32", (lut32, boundaries_np, codes_np), owners
+            )
+        return _CodesPlan(kernels.quantize_pack_lut32(bits), "lut32", (direct, lut32, boundaries_np, codes_np), owners)
+    return _CodesPlan(kernels.quantize_pack_compare, "compare", (boundaries_np, codes_np, bits), owners)
 
 
 def _codes_kernel(
@@ -324,23 +394,8 @@ def _codes_kernel(
     """The numba quantize kernel for ``flat`` (a flat contiguous CPU tensor) and its arguments before (start, stop):
     ``kernel(*args, start, stop)`` packs the codes of ``flat[start:stop]`` into ``out_np`` (start a multiple of 8) and
     returns the number of non-finite elements there."""
-    kernels = _numba_kernels()
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        lut16 = _cached_lut(flat.dtype, boundaries, interval_codes)
-        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
-        exponent = 0x7C00 if flat.dtype == torch.float16 else 0x7F80
-        return kernels.quantize_pack_lut16, (x_bits, lut16, exponent, bits, out_np)
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    x_np = flat.numpy()
-    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
-    if flat.dtype == torch.float32 and sys.byteorder == "little":
-        direct, lut32, branchless = _cached_lut(flat.dtype, boundaries, interval_codes)
-        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
-        if branchless:
-            return kernels.quantize_pack_lut32_branchless(bits), (x_np.view(np.uint16), lut32, *search, out_np)
-        return kernels.quantize_pack_lut32(bits), (x_np.view(np.uint16), direct, lut32, *search, out_np)
-    return kernels.quantize_pack_compare, (x_np, boundaries_np, codes_np, bits, out_np)
+    plan = _codes_plan(flat.dtype, boundaries, interval_codes, bits)
+    return plan.kernel, plan.arguments(flat, out_np)
 
 
 def _zero_padding(out_np: np.ndarray, numel: int, bits: int) -> None:
@@ -591,7 +646,8 @@ def _importable(module: str) -> bool:
 def backend_for(device: torch.device) -> str:
     """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
     name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
-    check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
+    if name not in BACKENDS:  # (checked only when wrong: this runs on every call)
+        check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
     if name in ("numba", "triton") and not _importable(name):
         raise FewBitError(
             f"backend {name!r} ({BACKEND_ENV} or use_backend) needs {name}, which is not installed: "

@@ -223,3 +223,57 @@ def test_eager_call_skips_torchs_argument_binding(monkeypatch):
     tensors = op.table_tensors(table)
     packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
     assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeated_calls_prepare_the_table_once(monkeypatch, dtype):
+    # issue 22 (the fixed cost of a call): every call converted the table to numpy and hashed its bytes to find its
+    # LUT (8 us, half a native GELU of 2^14 elements); now a call with a table seen before reuses a cached plan
+    tensors = op.table_tensors(random_table(bits=3, seed=11))
+    boundaries, _ = tensors.for_input(dtype)
+    conversions = []
+    real_numpy = torch.Tensor.numpy
+
+    def numpy(tensor, *args, **kwargs):
+        if tensor.data_ptr() == boundaries.data_ptr():
+            conversions.append(tensor)
+        return real_numpy(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", numpy)
+    monkeypatch.setattr(backends, "_LUT_CACHE", {})
+    for seed in range(3):
+        x = sample(100, dtype, seed=seed)
+        codes = backends.quantize_numba(x, boundaries, tensors.interval_codes, 3)
+        assert torch.equal(codes, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+    assert len(conversions) <= 2  # the first call only (LUT key, and the plan's copy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cached_plan_follows_an_in_place_change_of_the_table(dtype):
+    tensors = op.table_tensors(random_table(bits=3, seed=12))
+    boundaries, _ = tensors.for_input(dtype)
+    boundaries, codes = boundaries.clone(), tensors.interval_codes.clone()
+    x = sample(1000, dtype, seed=3)
+    backends.quantize_numba(x, boundaries, codes, 3)
+    codes.copy_(codes.flip(0))
+    boundaries.sub_(0.5)
+    assert torch.equal(backends.quantize_numba(x, boundaries, codes, 3), op.quantize_reference(x, boundaries, codes, 3))
+
+
+def test_module_decodes_its_table_once_and_follows_a_new_table():
+    # the module built its TableTensors (five buffer moves and views) on every call; now once per device and buffers
+    from fewbit_design.runtime import nn as fewbit_nn
+
+    module = fewbit_nn.GELU(table=random_table(bits=3, seed=13))
+    first = module._table_tensors(torch.device("cpu"))
+    assert module._table_tensors(torch.device("cpu")) is first
+    x = sample(257, torch.float32, seed=5).requires_grad_()
+    grad = sample(257, torch.float32, seed=6)
+    other = random_table(bits=2, seed=14)
+    module.table = other
+    (result,) = torch.autograd.grad(module(x), x, grad)
+    tensors = op.table_tensors(other)
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2)
+    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 2))
+    copy = __import__("copy").deepcopy(module)
+    assert copy._table_tensors(torch.device("cpu")).boundaries32.data_ptr() != first.boundaries32.data_ptr()
