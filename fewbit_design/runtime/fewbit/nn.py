@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
+from .backends import fused_relu
 from .functional import quick_gelu_native, relu_squared_native
 from .lookup import TableLike, as_table, document_arguments, resolve_table
 from .ops import decode_table, encode_table, fewbit_activation
@@ -211,6 +212,7 @@ class ReLU(_Activation):
         self.inplace = inplace
         self._setup(bits, weight, mode, table)
 
+    @fused_relu  # the CPU forward may compute relu in the codes kernel's pass
     def _native(self, input):
         return F.relu(input)
 
