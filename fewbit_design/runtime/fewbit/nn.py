@@ -107,7 +107,11 @@ class FewBitModule(torch.nn.Module):
     def _table_tensors(self, device: torch.device):
         # cached per device while the buffers are the same tensors (module.to() and a new table replace them): the
         # five lookups, moves and views cost ~10 us a call, more than a native GELU of 2^12 elements
-        # (kept outside the module, so that copies and pickles of the module do not carry it)
+        # (kept outside the module, so that copies and pickles of the module do not carry it; not while torch.compile
+        # traces, which needs no cache and should see no side effect)
+        if torch.compiler.is_compiling():
+            encoded = {name: getattr(self, f"_fewbit_{name}").to(device) for name in _BUFFERS}
+            return decode_table(self.bits, encoded)
         buffers = tuple(self._buffers.get(f"_fewbit_{name}") for name in _BUFFERS)
         cached = _DECODED.get(self)
         if cached is not None and cached[0] == device and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
