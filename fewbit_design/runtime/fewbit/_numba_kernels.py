@@ -23,7 +23,8 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
   branch (the branch would be mispredicted on a large share of the elements).
   Tables with few boundaries at 1-7 bits use :func:`quantize_pack_lut32_fixup`: a uint8 table gives every element
   its bucket's code without a branch and lists the rare elements of marked buckets (boundaries, NaN, +-inf) for a
-  second pass (28% faster on 2^14-2^18 elements).
+  second pass (28% faster on 2^14-2^18 elements). Tables with at most ``STEPS_BOUNDARIES`` boundaries
+  (:mod:`._cpu_tables`) use :func:`quantize_pack_steps32`: a vectorised compare-and-add per boundary, no lookup.
 * float16 / bfloat16: code = table[bit pattern] (every 16-bit pattern has its code).
 * float64 (and float32 without a table): interval = len(boundaries) - #(x < boundary), NaN in the last interval.
 * a table with one boundary (relu's, and every 1-bit table of a monotone derivative): one comparison per element
@@ -73,6 +74,7 @@ __all__ = [
     "quantize_pack_lut32",
     "quantize_pack_lut32_branchless",
     "quantize_pack_lut32_fixup",
+    "quantize_pack_steps32",
     "RESOLVE",
     "quantize_pack_lut16",
     "quantize_pack_compare",
@@ -200,6 +202,45 @@ def quantize_pack_lut32_fixup(bits: int):
     if bits >= 8:
         raise ValueError("quantize_pack_lut32_fixup marks buckets with 0xFF, a code at 8 bits")
     return _make_quantize_pack_lut32_fixup(bits)
+
+
+def _make_quantize_pack_steps32(bits: int):
+    BITS = np.uint64(bits)
+
+    @numba.njit(cache=True, nogil=True)
+    def quantize_pack_steps32(x, boundaries, steps, first, last, out, start, stop):
+        # code = first + sum of steps[j] over the boundaries j <= x (mod 256; steps[j] = code after boundary j minus
+        # code before it), NaN: last. One loop per boundary over the chunk, each a compare and an add that LLVM
+        # vectorises (no gather): with 9 boundaries 35% faster than quantize_pack_lut32_fixup (2^18 float32).
+        buffer = np.empty(CHUNK, dtype=np.uint8)
+        nonfinite = _u64(0)
+        for chunk in range(_u64(start), _u64(stop), _CHUNK):
+            count = min(_CHUNK, _u64(stop) - chunk)
+            block = x[chunk : chunk + count]
+            for i in range(count):
+                buffer[i] = first
+            for j in range(boundaries.size):
+                boundary = boundaries[j]
+                step = steps[j]
+                for i in range(count):
+                    buffer[i] += step if block[i] >= boundary else _u8(0)
+            for i in range(count):
+                value = block[i]
+                difference = value - value  # NaN exactly when value is NaN or +-inf
+                nonfinite += _u64(difference != difference)
+                buffer[i] = last if value != value else buffer[i]
+            _pack_buffer(buffer, count, BITS, out, chunk // _8)
+        return nonfinite
+
+    return quantize_pack_steps32
+
+
+@functools.cache
+def quantize_pack_steps32(bits: int):
+    """The float32 kernel of tables with a few boundaries: ``kernel(x, boundaries, steps, first, last, out, start,
+    stop)``: code = ``first`` + the ``steps`` (uint8, mod 256) of the ``boundaries`` (float32, rounded up) <= x,
+    ``last`` for NaN; the result of :func:`quantize_pack_lut32`, computed without table lookups."""
+    return _make_quantize_pack_steps32(bits)
 
 
 def _make_quantize_pack_lut32_branchless(bits: int):

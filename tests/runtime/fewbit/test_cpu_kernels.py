@@ -364,17 +364,20 @@ def test_relu_module_gradient_with_the_fused_forward_is_the_reference():
     assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
 
 
-@pytest.mark.parametrize("bits", [2, 3, 7])
-def test_float32_codes_on_every_bucket_are_the_reference(bits):
+@pytest.mark.parametrize(
+    "bits, boundaries, kernel", [(2, 13, "fixup"), (3, 13, "fixup"), (7, 13, "fixup"), (3, 9, "steps"), (2, 2, "steps")]
+)
+def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kernel):
     # quantize_pack_lut32_fixup (1-7 bits, few boundaries) reads a uint8 table and resolves the marked buckets
-    # (boundaries, NaN, +-inf) in a second pass: every high half with low halves 0, 1, 0x8000 and 0xFFFF
-    table = random_table(bits=bits, boundaries=13, seed=bits)
+    # (boundaries, NaN, +-inf) in a second pass; quantize_pack_steps32 (at most STEPS_BOUNDARIES boundaries) adds a
+    # step per boundary <= x: every high half with low halves 0, 1, 0x8000 and 0xFFFF
+    table = random_table(bits=bits, boundaries=boundaries, seed=bits)
     tensors = op.table_tensors(table)
     high = torch.arange(65536, dtype=torch.int64) << 16
     patterns = torch.stack([high, high | 1, high | 0x8000, high | 0xFFFF], dim=1).reshape(-1)
     x = patterns.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps: the same bit patterns
-    kernel, _ = backends._codes_kernel(x, tensors.boundaries32, tensors.interval_codes, bits, None)
-    assert "fixup" in kernel.__name__
+    used, _ = backends._codes_kernel(x, tensors.boundaries32, tensors.interval_codes, bits, None)
+    assert kernel in used.__name__
     packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
     assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
     assert nonfinite == int((~torch.isfinite(x)).sum())
