@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
-import sys
 import threading
 import weakref
 from collections.abc import Callable, Iterator
@@ -32,6 +31,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ...table import Table
 from .._packing import pack_reference, packed_nbytes, unpack_reference
+from ._cpu_tables import BRANCHLESS_SPLITS, MULTI, build_lut16, build_lut32, codes_plan, direct_lut32
 from .lookup import check_kernel_table
 
 __all__ = [
@@ -45,6 +45,7 @@ __all__ = [
     "build_lut32",
     "direct_lut32",
     "MULTI",
+    "BRANCHLESS_SPLITS",
     "build_lut16",
     "quantize_reference",
     "scale_reference",
@@ -202,95 +203,9 @@ def scale_reference(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tens
 # numba CPU kernels
 
 
-_LUT_CACHE: dict[tuple, Any] = {}
-_LUT_CACHE_SIZE = 256
-# A float32 table with more buckets holding a boundary than this runs the branchless kernel (see _numba_kernels):
-# gelu has 9-20 boundaries at 3-4 bits (direct kernel, faster there), 39-353 at 5-8 bits (branchless, 3.4x faster
-# at 8 bits on N(0, 1) input).
-BRANCHLESS_SPLITS = 24
-#: The entry of :func:`build_lut32` for a bucket with several code changes (t = 0 with A != B: no other bucket has it).
-MULTI = 0xFF00
-
-
-def build_lut32(boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
-    """The float32 lookup table of ``quantize_pack_lut32`` (uint32[65536]).
-
-    Bucket = top 16 bits of x's float32 bit pattern; entry = t << 16 | A << 8 | B means code = A if
-    (pattern & 0xFFFF) >= t else B (t = 0 and A = B for a bucket without a boundary). A bucket holding two or more
-    code changes (boundaries closer than 2^-7 relative, e.g. in silu's 8-bit table) gets the entry ``MULTI``
-    (t = 0, A = 0xFF != B = 0, which no other bucket has), and its elements are resolved by a binary search over the
-    boundaries: rare, so the kernels stay a table lookup for almost every element. Built by evaluating the exact
-    float32 comparisons (numpy searchsorted, NaN last) at every pattern of the buckets where the interval changes.
-    """
-    boundaries32 = np.ascontiguousarray(boundaries32, dtype=np.float32)
-    codes = np.asarray(interval_codes, dtype=np.int64)
-
-    def intervals(patterns: np.ndarray) -> np.ndarray:
-        return np.searchsorted(boundaries32, patterns.astype(np.uint32).view(np.float32), side="right")
-
-    buckets = np.arange(65536, dtype=np.uint64) << np.uint64(16)
-    first = intervals(buckets)
-    last = intervals(buckets | np.uint64(0xFFFF))
-    threshold = np.zeros(65536, dtype=np.uint64)
-    above = codes[first].astype(np.uint64)
-    below = above.copy()
-    multi = np.zeros(65536, dtype=bool)
-    lows = np.arange(65536, dtype=np.uint64)
-    for bucket in np.nonzero(first != last)[0]:
-        bucket_codes = codes[intervals((np.uint64(bucket) << np.uint64(16)) | lows)]
-        changes = np.nonzero(bucket_codes[1:] != bucket_codes[:-1])[0]
-        if len(changes) == 0:
-            continue
-        if len(changes) > 1:
-            multi[bucket] = True
-            continue
-        threshold[bucket] = changes[0] + 1
-        below[bucket] = bucket_codes[0]
-        above[bucket] = bucket_codes[-1]
-    entries = (threshold << np.uint64(16)) | (above << np.uint64(8)) | below
-    entries[multi] = MULTI
-    return entries.astype(np.uint32)
-
-
-def direct_lut32(lut: np.ndarray) -> np.ndarray:
-    """The bucket codes of :func:`build_lut32` (uint16[65536]): ``SPLIT`` (0x100) where a bucket holds one boundary,
-    ``SPLIT_MULTI`` (0x200) where it holds several."""
-    direct = np.where((lut >> 16) == 0, lut & 0xFF, 0x100).astype(np.uint16)
-    direct[lut == MULTI] = 0x200
-    return direct
-
-
-def build_lut16(dtype: torch.dtype, boundaries32: np.ndarray, interval_codes: np.ndarray) -> np.ndarray:
-    """Code of every float16 or bfloat16 bit pattern (uint8[65536]), compared in float32 (exact upcast)."""
-    patterns = np.arange(65536, dtype=np.uint32)
-    if dtype == torch.float16:
-        values = patterns.astype(np.uint16).view(np.float16).astype(np.float32)
-    elif dtype == torch.bfloat16:
-        values = (patterns << np.uint32(16)).view(np.float32)
-    else:
-        raise FewBitError(f"build_lut16 takes float16 or bfloat16, got {dtype}")
-    intervals = np.searchsorted(np.asarray(boundaries32, dtype=np.float32), values, side="right")
-    return np.asarray(interval_codes, dtype=np.uint8)[intervals]
-
-
-def _cached_lut(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor) -> Any:
-    # keyed by content (a few hundred bytes), so equal tables share a LUT and a reused address never aliases
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    key = (str(dtype), boundaries_np.tobytes(), codes_np.tobytes())
-    if key not in _LUT_CACHE:
-        if len(_LUT_CACHE) >= _LUT_CACHE_SIZE:
-            _LUT_CACHE.clear()
-        if dtype == torch.float32:
-            lut = build_lut32(boundaries_np, codes_np)
-            direct = direct_lut32(lut)
-            _LUT_CACHE[key] = (direct, lut, int(np.count_nonzero(direct == 0x100)) > BRANCHLESS_SPLITS)
-        else:
-            _LUT_CACHE[key] = build_lut16(dtype, boundaries_np, codes_np)
-    return _LUT_CACHE[key]
-
-
+@functools.cache
 def _numba_kernels():
+    # cached: a function-level import statement costs microseconds a call (the fixed cost of a small forward)
     from . import _numba_kernels
 
     return _numba_kernels
@@ -312,8 +227,7 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.uint8)
 
 def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    if numel * itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
+    if numel * dtype.itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
         return torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype))
     return torch.empty(numel, dtype=dtype)
 
@@ -324,23 +238,8 @@ def _codes_kernel(
     """The numba quantize kernel for ``flat`` (a flat contiguous CPU tensor) and its arguments before (start, stop):
     ``kernel(*args, start, stop)`` packs the codes of ``flat[start:stop]`` into ``out_np`` (start a multiple of 8) and
     returns the number of non-finite elements there."""
-    kernels = _numba_kernels()
-    if flat.dtype in (torch.float16, torch.bfloat16):
-        lut16 = _cached_lut(flat.dtype, boundaries, interval_codes)
-        x_bits = flat.view(torch.int16).numpy().view(np.uint16)
-        exponent = 0x7C00 if flat.dtype == torch.float16 else 0x7F80
-        return kernels.quantize_pack_lut16, (x_bits, lut16, exponent, bits, out_np)
-    boundaries_np = boundaries.detach().cpu().numpy()
-    codes_np = interval_codes.detach().cpu().numpy()
-    x_np = flat.numpy()
-    # the float32 tables read the high half of each element: little-endian only (else the compare kernel)
-    if flat.dtype == torch.float32 and sys.byteorder == "little":
-        direct, lut32, branchless = _cached_lut(flat.dtype, boundaries, interval_codes)
-        search = (x_np, boundaries_np, codes_np)  # for the rare buckets holding several boundaries
-        if branchless:
-            return kernels.quantize_pack_lut32_branchless(bits), (x_np.view(np.uint16), lut32, *search, out_np)
-        return kernels.quantize_pack_lut32(bits), (x_np.view(np.uint16), direct, lut32, *search, out_np)
-    return kernels.quantize_pack_compare, (x_np, boundaries_np, codes_np, bits, out_np)
+    plan = codes_plan(flat.dtype, boundaries, interval_codes, bits)
+    return plan.kernel, plan.arguments(flat, out_np)
 
 
 def _zero_padding(out_np: np.ndarray, numel: int, bits: int) -> None:
@@ -409,6 +308,9 @@ def forward_numba(
     (split over the kernel threads), then ``native(x)`` once.
     """
     numel = x.numel()
+    fused = _forward_relu(x, native, boundaries, interval_codes, bits)
+    if fused is not None:
+        return fused
     small = numel * x.element_size() < FORWARD_BLOCKED_BYTES
     if small or torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
         packed, nonfinite = _codes_numba(x, boundaries, interval_codes, bits)
@@ -438,6 +340,45 @@ def forward_numba(
     if records:
         record = (torch.cat([r[0] for r in records]), torch.cat([r[1] for r in records]))
     return y_flat.view(x.shape), packed, record
+
+
+def fused_relu(function: Callable) -> Callable:
+    """Mark ``function`` (a module's native) as torch's relu, whose CPU forward :func:`forward_numba` may compute
+    in the codes kernel's pass (``torch.relu`` and ``F.relu`` are recognised as they are)."""
+    function.fewbit_fused_relu = True
+    return function
+
+
+def _is_relu(native: Callable) -> bool:
+    return getattr(native, "fewbit_fused_relu", False) or native is torch.relu or native is torch.nn.functional.relu
+
+
+def _forward_relu(
+    x: torch.Tensor, native: Callable, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None] | None:
+    """:func:`forward_numba` for relu and a table with one boundary (the shipped relu tables: code = x > 0): y and
+    the codes in one pass over x, by a kernel that LLVM vectorises; None where it does not apply.
+
+    For finite x, relu is +0 below 0 and x elsewhere (-0 stays -0) in every dtype and at every size; torch's NaN
+    results are not (bfloat16 keeps a NaN's payload in the scalar loop of short tensors and returns 0xFFFF in the
+    vector loop), so when x holds a non-finite element, y is ``native(x)`` itself (one more pass, in that rare case).
+    """
+    if not _is_relu(native) or x.dtype == torch.float64 or not x.is_contiguous() or x.numel() == 0:
+        return None
+    _check_input(x, boundaries, interval_codes, bits)
+    plan = codes_plan(x.dtype, boundaries, interval_codes, bits)
+    if plan.relu_kernel is None:
+        return None
+    numel = x.numel()
+    packed = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
+    y = _empty_cpu(numel, x.dtype)
+    flat = x.detach().view(-1)
+    out_np = packed.numpy()
+    nonfinite = _numba_kernels().run(plan.relu_kernel, numel, *plan.arguments(flat, out_np, y))
+    _zero_padding(out_np, numel, bits)
+    if nonfinite:
+        return native(x), packed, _nonfinite_positions(flat, 0)
+    return y.view(x.shape), packed, None
 
 
 def _nonfinite_positions(flat: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -591,7 +532,8 @@ def _importable(module: str) -> bool:
 def backend_for(device: torch.device) -> str:
     """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
     name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
-    check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
+    if name not in BACKENDS:  # (checked only when wrong: this runs on every call)
+        check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
     if name in ("numba", "triton") and not _importable(name):
         raise FewBitError(
             f"backend {name!r} ({BACKEND_ENV} or use_backend) needs {name}, which is not installed: "

@@ -22,6 +22,7 @@ function with a table designed for it. The table follows the hyper-parameters: a
 from __future__ import annotations
 
 import warnings
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -31,6 +32,7 @@ import torch.nn.functional as F
 from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
+from .backends import fused_relu
 from .functional import quick_gelu_native, relu_squared_native
 from .lookup import TableLike, as_table, document_arguments, resolve_table
 from .ops import decode_table, encode_table, fewbit_activation
@@ -64,6 +66,8 @@ __all__ = [
 ]
 
 _BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "levels64")
+# module -> (device, its table buffers, their TableTensors views), see FewBitModule._table_tensors
+_DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 class FewBitModule(torch.nn.Module):
@@ -101,8 +105,23 @@ class FewBitModule(torch.nn.Module):
         return int(self.table.bits)
 
     def _table_tensors(self, device: torch.device):
-        encoded = {name: getattr(self, f"_fewbit_{name}").to(device) for name in _BUFFERS}
-        return decode_table(self.bits, encoded)
+        # cached per device while the buffers are the same tensors (module.to() and a new table replace them): the
+        # five lookups, moves and views cost ~10 us a call, more than a native GELU of 2^12 elements
+        # (kept outside the module, so that copies and pickles of the module do not carry it; not while torch.compile
+        # traces, which needs no cache and should see no side effect)
+        if torch.compiler.is_compiling():
+            encoded = {name: getattr(self, f"_fewbit_{name}").to(device) for name in _BUFFERS}
+            return decode_table(self.bits, encoded)
+        buffers = tuple(self._buffers.get(f"_fewbit_{name}") for name in _BUFFERS)
+        cached = _DECODED.get(self)
+        if cached is not None and cached[0] == device and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
+            return cached[2]
+        if any(buffer is None for buffer in buffers):  # a subclass that replaced the buffers: look them up
+            buffers = tuple(getattr(self, f"_fewbit_{name}") for name in _BUFFERS)
+        tensors = decode_table(self.bits, {name: b.to(device) for name, b in zip(_BUFFERS, buffers, strict=True)})
+        if all(buffer.device == device for buffer in buffers):  # views of the buffers (copies would go stale)
+            _DECODED[self] = (device, buffers, tensors)
+        return tensors
 
     def _native(self, input: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden
         raise NotImplementedError
@@ -197,6 +216,7 @@ class ReLU(_Activation):
         self.inplace = inplace
         self._setup(bits, weight, mode, table)
 
+    @fused_relu  # the CPU forward may compute relu in the codes kernel's pass
     def _native(self, input):
         return F.relu(input)
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from test_runtime_ops import random_table
 
-from fewbit_design.runtime.fewbit import backends
+from fewbit_design.runtime.fewbit import _cpu_tables, backends
 from fewbit_design.runtime.fewbit import ops as op
 
 DTYPES = [torch.float32, torch.float16, torch.bfloat16, torch.float64]
@@ -223,3 +223,161 @@ def test_eager_call_skips_torchs_argument_binding(monkeypatch):
     tensors = op.table_tensors(table)
     packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
     assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_repeated_calls_prepare_the_table_once(monkeypatch, dtype):
+    # issue 22 (the fixed cost of a call): every call converted the table to numpy and hashed its bytes to find its
+    # LUT (8 us, half a native GELU of 2^14 elements); now a call with a table seen before reuses a cached plan
+    tensors = op.table_tensors(random_table(bits=3, seed=11))
+    boundaries, _ = tensors.for_input(dtype)
+    conversions = []
+    real_numpy = torch.Tensor.numpy
+
+    def numpy(tensor, *args, **kwargs):
+        if tensor.data_ptr() == boundaries.data_ptr():
+            conversions.append(tensor)
+        return real_numpy(tensor, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "numpy", numpy)
+    monkeypatch.setattr(_cpu_tables, "_LUT_CACHE", {})
+    monkeypatch.setattr(_cpu_tables, "_PLAN_CACHE", {})
+    for seed in range(3):
+        x = sample(100, dtype, seed=seed)
+        codes = backends.quantize_numba(x, boundaries, tensors.interval_codes, 3)
+        assert torch.equal(codes, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+    assert len(conversions) <= 2  # the first call only (LUT key, and the plan's copy)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+def test_cached_plan_follows_an_in_place_change_of_the_table(dtype):
+    tensors = op.table_tensors(random_table(bits=3, seed=12))
+    boundaries, _ = tensors.for_input(dtype)
+    boundaries, codes = boundaries.clone(), tensors.interval_codes.clone()
+    x = sample(1000, dtype, seed=3)
+    backends.quantize_numba(x, boundaries, codes, 3)
+    codes.copy_(codes.flip(0))
+    boundaries.sub_(0.5)
+    assert torch.equal(backends.quantize_numba(x, boundaries, codes, 3), op.quantize_reference(x, boundaries, codes, 3))
+
+
+def test_module_decodes_its_table_once_and_follows_a_new_table():
+    # the module built its TableTensors (five buffer moves and views) on every call; now once per device and buffers
+    from fewbit_design.runtime import nn as fewbit_nn
+
+    module = fewbit_nn.GELU(table=random_table(bits=3, seed=13))
+    first = module._table_tensors(torch.device("cpu"))
+    assert module._table_tensors(torch.device("cpu")) is first
+    x = sample(257, torch.float32, seed=5).requires_grad_()
+    grad = sample(257, torch.float32, seed=6)
+    other = random_table(bits=2, seed=14)
+    module.table = other
+    (result,) = torch.autograd.grad(module(x), x, grad)
+    tensors = op.table_tensors(other)
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2)
+    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 2))
+    copy = __import__("copy").deepcopy(module)
+    assert copy._table_tensors(torch.device("cpu")).boundaries32.data_ptr() != first.boundaries32.data_ptr()
+
+
+def one_boundary_table(boundary, codes=(0, 1), bits=1):
+    table = random_table(bits=bits, boundaries=1, seed=0, activation="relu")
+    return table.__class__(**{**table.__dict__, "boundaries": __import__("numpy").array([boundary]), "codes": codes})
+
+
+def never_called(x):
+    raise AssertionError("the fused relu forward ran torch's relu on all-finite input")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("numel", SIZES[1:] + [2**16 - 1, 2**16 + 1])
+@pytest.mark.parametrize("bits", [1, 3, 8])
+def test_relu_forward_computes_y_and_codes_in_one_pass(bits, numel, dtype):
+    # issue 22: relu's forward ran the codes kernel (a 65536-entry LUT gather, 4-10x native relu), then torch's
+    # relu; a one-boundary table now takes a vectorised kernel that also writes y, bitwise torch's relu
+    from fewbit_design.runtime.tables import load_table
+
+    tensors = op.table_tensors(load_table("relu", bits=bits))
+    boundaries, _ = tensors.for_input(dtype)
+    x = sample(numel, dtype, seed=numel)
+    x[: min(numel, 4)] = torch.tensor([-0.0, 0.0, 1e-40, -1e-40])[: min(numel, 4)].to(dtype)
+    fused = backends.fused_relu(lambda t: never_called(t))
+    y, packed, record = backends.forward_numba(x, fused, boundaries, tensors.interval_codes, bits)
+    assert same_bits(y, F.relu(x))
+    assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, bits))
+    assert record is None
+    for native in (F.relu, torch.relu):  # recognised as they are
+        y, packed, _ = backends.forward_numba(x, native, boundaries, tensors.interval_codes, bits)
+        assert same_bits(y, F.relu(x))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("boundary", [5e-324, 0.0, -0.0, -1.5, 0.3, 1e-6, 70000.0, -1e39])
+def test_one_boundary_kernels_on_every_16_bit_pattern(dtype, boundary):
+    # the integer-key comparison of threshold_pack16 against the reference on all 65536 patterns (NaN, +-inf, -0,
+    # subnormals), for codes below/above in both orders; relu's y and the non-finite record too
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    for codes in ((0, 1), (1, 0), (2, 2)):
+        tensors = op.table_tensors(one_boundary_table(boundary, codes, bits=2))
+        packed = backends.quantize_numba(patterns, tensors.boundaries32, tensors.interval_codes, 2)
+        assert torch.equal(packed, op.quantize_reference(patterns, tensors.boundaries32, tensors.interval_codes, 2))
+    y, packed, record = backends.forward_numba(patterns, F.relu, tensors.boundaries32, tensors.interval_codes, 2)
+    assert same_bits(y, F.relu(patterns))
+    expected = op.nonfinite_record(patterns)
+    assert torch.equal(record[0], expected[0]) and same_bits(record[1], expected[1])
+
+
+@pytest.mark.parametrize("numel", [1, 7, 65, 4099])
+def test_fused_relu_with_non_finite_float32_input_is_torchs(numel):
+    tensors = op.table_tensors(one_boundary_table(5e-324))
+    x = sample(numel, torch.float32, seed=numel)
+    specials = torch.tensor([0x7FC00001, 0xFFC00000 - 2**32, 0x7F800000, 0xFF800000 - 2**32, 0x80000000 - 2**32])
+    x[torch.arange(numel) % 3 == 0] = specials.view(torch.float32).repeat(numel)[: len(range(0, numel, 3))]
+    y, packed, record = backends.forward_numba(x, F.relu, tensors.boundaries32, tensors.interval_codes, 1)
+    assert same_bits(y, F.relu(x))
+    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 1))
+    expected = op.nonfinite_record(x)
+    assert torch.equal(record[0], expected[0]) and same_bits(record[1], expected[1])
+
+
+@pytest.mark.parametrize("boundary", [0.0, -0.0, 2.5, -1e-40, 1e39])
+@pytest.mark.parametrize("numel", SIZES)
+def test_one_boundary_float32_codes_are_the_reference(boundary, numel):
+    tensors = op.table_tensors(one_boundary_table(boundary, (3, 1), bits=2))
+    x = sample(numel, torch.float32, seed=numel)
+    x[: min(numel, 3)] = torch.tensor([float("nan"), -0.0, float("inf")])[: min(numel, 3)]
+    packed = backends.quantize_numba(x, tensors.boundaries32, tensors.interval_codes, 2)
+    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2))
+
+
+def test_relu_module_gradient_with_the_fused_forward_is_the_reference():
+    from fewbit_design.runtime import nn as fewbit_nn
+
+    module = fewbit_nn.ReLU(bits=3)
+    x = sample(1000, torch.bfloat16, seed=9).requires_grad_()
+    grad = sample(1000, torch.bfloat16, seed=10)
+    y = module(x)
+    assert same_bits(y.detach(), F.relu(x.detach()))
+    (result,) = torch.autograd.grad(y, x, grad)
+    tensors = module._table_tensors(torch.device("cpu"))
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
+
+
+@pytest.mark.parametrize(
+    "bits, boundaries, kernel", [(2, 13, "fixup"), (3, 13, "fixup"), (7, 13, "fixup"), (3, 9, "steps"), (2, 2, "steps")]
+)
+def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kernel):
+    # quantize_pack_lut32_fixup (1-7 bits, few boundaries) reads a uint8 table and resolves the marked buckets
+    # (boundaries, NaN, +-inf) in a second pass; quantize_pack_steps32 (at most STEPS_BOUNDARIES boundaries) adds a
+    # step per boundary <= x: every high half with low halves 0, 1, 0x8000 and 0xFFFF
+    table = random_table(bits=bits, boundaries=boundaries, seed=bits)
+    tensors = op.table_tensors(table)
+    high = torch.arange(65536, dtype=torch.int64) << 16
+    patterns = torch.stack([high, high | 1, high | 0x8000, high | 0xFFFF], dim=1).reshape(-1)
+    x = patterns.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps: the same bit patterns
+    used, _ = backends._codes_kernel(x, tensors.boundaries32, tensors.interval_codes, bits, None)
+    assert kernel in used.__name__
+    packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
+    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+    assert nonfinite == int((~torch.isfinite(x)).sum())
