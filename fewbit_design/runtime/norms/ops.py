@@ -115,10 +115,6 @@ def kept_channels(
     return ~(magnitude >= threshold * limit)  # NaN weights are kept too
 
 
-# ----------------------------------------------------------------------------------------------------------------------
-# Custom ops
-
-
 def _selected_channels(
     y_dtype: torch.dtype,
     weight: torch.Tensor | None,
@@ -144,7 +140,7 @@ def _selected_channels(
             f"eagerly (MemorySharingNorm re-counts them) or set the module's compiled_capacity to at least {needed}, "
             "then compile again"
         )
-    if capacity == 0:
+    if capacity == 0 or weight is None:
         return torch.zeros(0, dtype=torch.int64)
     magnitude = _effective_weight(weight.detach(), kind, _compute_dtype(y_dtype)).abs()
     order = torch.where(mask, torch.full_like(magnitude, -math.inf), magnitude)  # marked ones first
