@@ -23,6 +23,7 @@ native eager in the same run.
     python benchmarks/transformer_memory.py --families llama mistral qwen2 phi3 gemma gpt2
     python benchmarks/transformer_memory.py --quick               # smoke test: tiny sizes, no compile
     python benchmarks/transformer_memory.py --dtype bfloat16      # the model in bfloat16 (float16 too)
+    python benchmarks/transformer_memory.py --variants exact+fewbit   # native and runtime.convert only
 
 Writes ``benchmarks/results/transformer_memory.csv`` (``transformer_memory_<dtype>.csv`` with ``--dtype``).
 """
@@ -119,10 +120,9 @@ def convert(model: torch.nn.Module, techniques: tuple[str, ...], settings: dict)
 
 
 def step_saved_bytes(model: torch.nn.Module, forward: Callable, ids: torch.Tensor) -> int:
-    # no model argument: its per-module hooks are new hooks at every entry, which a compiled model's guards see as a
-    # change (a recompile per step); parameters are leaves that need gradients, so they are not counted either way,
-    # and a buffer saved (rotary frequencies) is saved by the 1-block and the 2-block model alike
-    with memory.saved_bytes() as saved:
+    # with the model: its parameters' storages are excluded (views of weights that eager linears save included);
+    # its per-module hooks are new at each entry, so a compiled model recompiles for each measured step (time only)
+    with memory.saved_bytes(model) as saved:
         loss = forward(input_ids=ids, labels=ids).loss
     loss.backward()
     model.zero_grad(set_to_none=True)
@@ -166,6 +166,7 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--linear-bits", type=int, default=8)
     parser.add_argument("--bits", type=int, default=3, help="few-bit table bits (default 3)")
+    parser.add_argument("--variants", nargs="+", help="only these variants (default: all; 'native' always runs)")
     parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model dtype (default float32)")
     parser.add_argument("--inductor", action="store_true", help="compile with inductor (slow on CPU)")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, eager only, 2 repeats")
@@ -181,6 +182,11 @@ def main() -> None:
     rows = []
     for family in args.families:
         chosen = variants(settings)
+        if args.variants:
+            unknown = sorted(set(args.variants) - set(chosen))
+            if unknown:
+                parser.error(f"unknown variants {unknown}: choose from {sorted(chosen)}")
+            chosen = {name: chosen[name] for name in chosen if name == "native" or name in args.variants}
         saved = {}
         for name, techniques in chosen.items():
             for mode in modes:
