@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError, check_choice
-from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, memory_sharing_norm
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, norm_and_kept_count
 
 __all__ = ["MemorySharingNorm"]
 
@@ -55,13 +55,8 @@ class MemorySharingNorm(torch.nn.Module):
         self.bias = bias
         #: how many channels a compiled graph keeps (a Python int, so dynamo guards on it and recompiles on change)
         self.compiled_capacity = 0
-        if weight is not None:
-            self._count_kept(weight.dtype)
-
-    def _count_kept(self, dtype: torch.dtype) -> None:
-        """Raise :attr:`compiled_capacity` to the number of channels that ``dtype`` outputs cannot invert (eager)."""
-        needed = int(kept_channels(dtype, self.weight, self.bias, self.kind, self.threshold).sum())
-        self.compiled_capacity = max(self.compiled_capacity, needed)
+        if weight is not None and not weight.is_meta:  # in the weight's dtype; an eager run counts in the input's
+            self.compiled_capacity = int(kept_channels(weight.dtype, weight, bias, self.kind, self.threshold).sum())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ndim = len(self.normalized_shape)
@@ -72,13 +67,8 @@ class MemorySharingNorm(torch.nn.Module):
             )
         # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
         eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
-        if torch.compiler.is_compiling():
-            capacity = self.compiled_capacity
-        else:
-            capacity = None  # eager: exactly the channels that need it; counted for a later compile
-            if self.weight is not None:
-                self._count_kept(x.dtype)
-        return memory_sharing_norm(
+        compiling = torch.compiler.is_compiling()
+        y, kept = norm_and_kept_count(
             x,
             self.weight,
             self.bias,
@@ -86,8 +76,11 @@ class MemorySharingNorm(torch.nn.Module):
             normalized_ndim=ndim,
             eps=eps,
             threshold=self.threshold,
-            capacity=capacity,
+            capacity=self.compiled_capacity if compiling else None,  # eager: exactly the channels that need it
         )
+        if not compiling and kept is not None:  # counted for a later compile, from the op's own output shape
+            self.compiled_capacity = max(self.compiled_capacity, int(kept))
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"

@@ -310,9 +310,28 @@ def memory_sharing_norm(
             op without a graph break); None keeps exactly the channels that need it, a data-dependent count (eager).
             Under compile, more channels needing it than ``capacity`` raises :class:`FewBitError`.
     """
+    return norm_and_kept_count(
+        x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
+    )[0]
+
+
+def norm_and_kept_count(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float = DEFAULT_THRESHOLD,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, int | None]:
+    """:func:`memory_sharing_norm` and the number of channels kept (None when nothing is saved for backward, and
+    a symbolic size under ``torch.compile``): the eager op knows it without another device sync."""
     check_choice("norm kind", kind, KINDS)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not needs_grad:
-        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0]
+        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0], None
     static = -1 if capacity is None or weight is None else min(int(capacity), weight.numel())
-    return torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, static)[0]
+    y, _, channels, _ = torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, static)
+    return y, channels.shape[0]
