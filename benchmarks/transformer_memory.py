@@ -22,8 +22,10 @@ native eager in the same run.
     python benchmarks/transformer_memory.py                       # llama and gpt2
     python benchmarks/transformer_memory.py --families llama mistral qwen2 phi3 gemma gpt2
     python benchmarks/transformer_memory.py --quick               # smoke test: tiny sizes, no compile
+    python benchmarks/transformer_memory.py --dtype bfloat16      # the model in bfloat16 (float16 too)
+    python benchmarks/transformer_memory.py --variants exact+fewbit   # native and runtime.convert only
 
-Writes ``benchmarks/results/transformer_memory.csv``.
+Writes ``benchmarks/results/transformer_memory.csv`` (``transformer_memory_<dtype>.csv`` with ``--dtype``).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ except ModuleNotFoundError:  # pragma: no cover - the optional 'models' extra
 from fewbit_design import runtime  # noqa: E402
 from fewbit_design.runtime import memory, registry  # noqa: E402
 
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt2")
 KIB = 1024.0
 
@@ -117,6 +120,8 @@ def convert(model: torch.nn.Module, techniques: tuple[str, ...], settings: dict)
 
 
 def step_saved_bytes(model: torch.nn.Module, forward: Callable, ids: torch.Tensor) -> int:
+    # with the model: its parameters' storages are excluded (views of weights that eager linears save included);
+    # its per-module hooks are new at each entry, so a compiled model recompiles for each measured step (time only)
     with memory.saved_bytes(model) as saved:
         loss = forward(input_ids=ids, labels=ids).loss
     loss.backward()
@@ -144,7 +149,8 @@ def block_bytes(family: str, techniques: tuple[str, ...], mode: str, args, setti
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), generator=torch.Generator().manual_seed(1))
     for layers in (2, 1):
         torch.manual_seed(0)
-        model = convert(build(family, layers, args.width, args.vocab, args.seq).train(), techniques, settings)
+        model = build(family, layers, args.width, args.vocab, args.seq).train().to(DTYPES[args.dtype])
+        model = convert(model, techniques, settings)
         forward = model if mode == "eager" else compiled(model, mode, args.inductor)
         step_saved_bytes(model, forward, ids)  # warm-up (compilation)
         totals.append(step_saved_bytes(model, forward, ids))
@@ -160,10 +166,14 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=256)
     parser.add_argument("--linear-bits", type=int, default=8)
     parser.add_argument("--bits", type=int, default=3, help="few-bit table bits (default 3)")
+    parser.add_argument("--variants", nargs="+", help="only these variants (default: all; 'native' always runs)")
+    parser.add_argument("--dtype", default="float32", choices=list(DTYPES), help="model dtype (default float32)")
     parser.add_argument("--inductor", action="store_true", help="compile with inductor (slow on CPU)")
     parser.add_argument("--quick", action="store_true", help="smoke test: tiny sizes, eager only, 2 repeats")
     harness.add_options(parser, out=str(harness.RESULTS / "transformer_memory.csv"), repeats=9, threads=0)
     args = parser.parse_args()
+    if args.dtype != "float32" and args.out == parser.get_default("out"):  # keep the float32 CSV
+        args.out = str(harness.RESULTS / f"transformer_memory_{args.dtype}.csv")
     harness.set_threads(args.threads)
     if args.quick:
         args.width, args.seq, args.batch, args.repeats = 64, 32, 2, 2
@@ -172,6 +182,11 @@ def main() -> None:
     rows = []
     for family in args.families:
         chosen = variants(settings)
+        if args.variants:
+            unknown = sorted(set(args.variants) - set(chosen))
+            if unknown:
+                parser.error(f"unknown variants {unknown}: choose from {sorted(chosen)}")
+            chosen = {name: chosen[name] for name in chosen if name == "native" or name in args.variants}
         saved = {}
         for name, techniques in chosen.items():
             for mode in modes:
@@ -184,7 +199,8 @@ def main() -> None:
         models = {}
         for name, techniques in chosen.items():
             torch.manual_seed(0)
-            models[name] = convert(build(family, 2, args.width, args.vocab, args.seq).train(), techniques, settings)
+            model = build(family, 2, args.width, args.vocab, args.seq).train().to(DTYPES[args.dtype])
+            models[name] = convert(model, techniques, settings)
 
         def step(model, ids=ids):
             def run():
@@ -197,7 +213,7 @@ def main() -> None:
             {name: step(m) for name, m in models.items()}, repeats=args.repeats, baseline="native", alternate=True
         )
         for name in chosen:
-            row = {"family": family, "variant": name, "techniques": "+".join(chosen[name]) or "-"}
+            row = {"family": family, "dtype": args.dtype, "variant": name, "techniques": "+".join(chosen[name]) or "-"}
             for mode in modes:
                 value, base = saved[name, mode], saved["native", mode]
                 row[f"{mode}_kib"] = None if value is None else value / KIB

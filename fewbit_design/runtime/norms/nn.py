@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError, check_choice
-from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, memory_sharing_norm
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, norm_and_kept_count
 
 __all__ = ["MemorySharingNorm"]
 
@@ -23,6 +23,13 @@ class MemorySharingNorm(torch.nn.Module):
         weight: the original module's weight (shared, not copied), or None.
         bias: the original module's bias (shared, not copied), or None.
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
+
+    Under ``torch.compile`` the number of kept channels must be static (a data-dependent count would split the
+    graph at every norm, and each piece would save its own copies of shared tensors such as the attention mask):
+    the traced graph keeps ``compiled_capacity`` channels, the count the weights needed when the module was built
+    or last ran eagerly (in the input's dtype), whichever is larger. Keeping a channel that did not need it is exact;
+    if training drives more weights to zero than that, the compiled forward raises one :class:`FewBitError` line
+    rather than inverting them inexactly.
 
     >>> norm = MemorySharingNorm((8,), kind="rms_norm", eps=1e-6, weight=torch.nn.Parameter(torch.ones(8)))
     >>> norm(torch.randn(2, 8)).shape
@@ -46,6 +53,10 @@ class MemorySharingNorm(torch.nn.Module):
         self.threshold = float(threshold)
         self.weight = weight
         self.bias = bias
+        #: how many channels a compiled graph keeps (a Python int, so dynamo guards on it and recompiles on change)
+        self.compiled_capacity = 0
+        if weight is not None and not weight.is_meta:  # in the weight's dtype; an eager run counts in the input's
+            self.compiled_capacity = int(kept_channels(weight.dtype, weight, bias, self.kind, self.threshold).sum())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ndim = len(self.normalized_shape)
@@ -56,9 +67,20 @@ class MemorySharingNorm(torch.nn.Module):
             )
         # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
         eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
-        return memory_sharing_norm(
-            x, self.weight, self.bias, kind=self.kind, normalized_ndim=ndim, eps=eps, threshold=self.threshold
+        compiling = torch.compiler.is_compiling()
+        y, kept = norm_and_kept_count(
+            x,
+            self.weight,
+            self.bias,
+            kind=self.kind,
+            normalized_ndim=ndim,
+            eps=eps,
+            threshold=self.threshold,
+            capacity=self.compiled_capacity if compiling else None,  # eager: exactly the channels that need it
         )
+        if not compiling and kept is not None:  # counted for a later compile, from the op's own output shape
+            self.compiled_capacity = max(self.compiled_capacity, int(kept))
+        return y
 
     def extra_repr(self) -> str:
         return f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"

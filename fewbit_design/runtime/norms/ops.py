@@ -42,7 +42,7 @@ import math
 
 import torch
 
-from ...errors import check_choice
+from ...errors import FewBitError, check_choice
 
 __all__ = ["KINDS", "DEFAULT_THRESHOLD", "memory_sharing_norm", "forward_reference", "kept_channels"]
 
@@ -115,6 +115,38 @@ def kept_channels(
     return ~(magnitude >= threshold * limit)  # NaN weights are kept too
 
 
+def _selected_channels(
+    y_dtype: torch.dtype,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    threshold: float,
+    capacity: int,
+) -> torch.Tensor:
+    """Indices (int64) of the channels whose normalised input is kept.
+
+    ``capacity < 0`` (eager): exactly the channels :func:`kept_channels` marks, a data-dependent count. ``capacity
+    >= 0`` (under ``torch.compile``, a static shape, so the op needs no graph break): the ``capacity`` channels of
+    smallest ``|w|`` margin, which include every marked one; keeping an unmarked channel too is exact (its xhat is
+    taken from x), but a marked channel beyond ``capacity`` could not be inverted to rounding, so that raises."""
+    mask = kept_channels(y_dtype, weight, bias, kind, threshold)
+    if capacity < 0:
+        return torch.nonzero(mask).reshape(-1)
+    needed = int(mask.sum())
+    if needed > capacity:
+        raise FewBitError(
+            f"memory-sharing {kind} norm under torch.compile: {needed} channels have weights too small to invert "
+            f"(|w| < threshold * (|b| + tiny / eps)) but the compiled graph keeps {capacity}: run the model once "
+            f"eagerly (MemorySharingNorm re-counts them) or set the module's compiled_capacity to at least {needed}, "
+            "then compile again"
+        )
+    if capacity == 0 or weight is None:
+        return torch.zeros(0, dtype=torch.int64)
+    magnitude = _effective_weight(weight.detach(), kind, _compute_dtype(y_dtype)).abs()
+    order = torch.where(mask, torch.full_like(magnitude, -math.inf), magnitude)  # marked ones first
+    return torch.topk(order, capacity, largest=False).indices.sort().values
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Custom ops
 
@@ -128,10 +160,11 @@ def _norm_forward(
     normalized_ndim: int,
     eps: float,
     threshold: float,
+    capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
     rows = rstd.numel()
-    channels = torch.nonzero(kept_channels(y.dtype, weight, bias, kind, threshold).to(x.device)).reshape(-1)
+    channels = _selected_channels(y.dtype, weight, bias, kind, threshold, capacity).to(x.device)
     if channels.numel() == 0:
         kept = torch.empty(rows, 0, dtype=rstd.dtype, device=x.device)
     else:
@@ -144,9 +177,14 @@ def _norm_forward(
 
 
 @_norm_forward.register_fake
-def _(x, weight, bias, kind, normalized_ndim, eps, threshold):
+def _(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity):
     y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
-    count = torch.library.get_ctx().new_dynamic_size() if weight is not None else 0
+    if weight is None:
+        count = 0
+    elif capacity >= 0:  # a static count: no data-dependent shape, so torch.compile keeps one graph
+        count = min(capacity, weight.numel())
+    else:
+        count = torch.library.get_ctx().new_dynamic_size()
     channels = x.new_empty(count, dtype=torch.int64)
     kept = x.new_empty(rstd.numel(), count, dtype=rstd.dtype)
     return y, rstd, channels, kept
@@ -217,7 +255,7 @@ def _(grad, y, rstd, channels, kept, weight, bias, kind, x_dtype):
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, weight, bias, kind, _, _, _ = inputs
+    x, weight, bias, kind, _, _, _, _ = inputs
     y, rstd, channels, kept = output
     ctx.mark_non_differentiable(rstd, channels, kept)
     ctx.save_for_backward(y, rstd, channels, kept, weight, bias)
@@ -238,6 +276,7 @@ def _backward(ctx, grad, *_):
         None,
         None,
         None,
+        None,
     )
 
 
@@ -253,6 +292,7 @@ def memory_sharing_norm(
     normalized_ndim: int,
     eps: float,
     threshold: float = DEFAULT_THRESHOLD,
+    capacity: int | None = None,
 ) -> torch.Tensor:
     """The norm of ``kind`` over the last ``normalized_ndim`` dimensions of ``x``; for backward it keeps only its
     output, the rows' rstd and the kept channels' xhat (see the module docstring).
@@ -266,9 +306,32 @@ def memory_sharing_norm(
         eps: the norm's epsilon
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input (see the module
             docstring)
+        capacity: how many channels keep their normalised input, a static count (so ``torch.compile`` traces the
+            op without a graph break); None keeps exactly the channels that need it, a data-dependent count (eager).
+            Under compile, more channels needing it than ``capacity`` raises :class:`FewBitError`.
     """
+    return norm_and_kept_count(
+        x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
+    )[0]
+
+
+def norm_and_kept_count(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    *,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float = DEFAULT_THRESHOLD,
+    capacity: int | None = None,
+) -> tuple[torch.Tensor, int | None]:
+    """:func:`memory_sharing_norm` and the number of channels kept (None when nothing is saved for backward, and
+    a symbolic size under ``torch.compile``): the eager op knows it without another device sync."""
     check_choice("norm kind", kind, KINDS)
     needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
     if not needs_grad:
-        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0]
-    return torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold)[0]
+        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0], None
+    static = -1 if capacity is None or weight is None else min(int(capacity), weight.numel())
+    y, _, channels, _ = torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, static)
+    return y, channels.shape[0]

@@ -149,11 +149,12 @@ def test_opcheck_on_the_custom_ops():
         weight[1] = 0.0  # a kept channel: the data-dependent [rows, k] output
     bias = torch.nn.Parameter(torch.randn(8))
     cases = [
-        (x, weight, bias, "layer_norm", 1, 1e-5, 0.25),
-        (x, None, None, "layer_norm", 1, 1e-5, 0.25),
-        (x, weight, None, "rms_norm", 1, 1e-6, 0.25),
-        (x.detach().bfloat16().requires_grad_(), weight, None, "llama", 1, 1e-6, 0.25),
-        (x, weight, None, "gemma", 1, 1e-6, 0.25),
+        (x, weight, bias, "layer_norm", 1, 1e-5, 0.25, -1),
+        (x, weight, bias, "layer_norm", 1, 1e-5, 0.25, 3),  # the static count compile uses: one extra channel kept
+        (x, None, None, "layer_norm", 1, 1e-5, 0.25, -1),
+        (x, weight, None, "rms_norm", 1, 1e-6, 0.25, -1),
+        (x.detach().bfloat16().requires_grad_(), weight, None, "llama", 1, 1e-6, 0.25, -1),
+        (x, weight, None, "gemma", 1, 1e-6, 0.25, 2),
     ]
     for args in cases:
         torch.library.opcheck(torch.ops.fewbit.norm_forward.default, args)
