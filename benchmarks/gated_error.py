@@ -3,9 +3,12 @@
 One training batch of the byte-level LLaMA of :mod:`transformer_loss` (same corpus, model and sizes); the parameter
 gradient of each variant against native's (relative L2 error over all parameters). Each variant turns ONE
 approximation on alone (the rest exact): the gated MLPs run a pure-torch autograd function that keeps exact copies
-of everything except the named tensor, which goes through the project's own quantizers (``linear.quant`` group
-codes, the few-bit table kernels), so the figures are those of the shipped mode's parts. ``linear`` compresses the
-other linear layers' saved inputs (attention projections, the head) with ``linear.convert``.
+of everything except the named tensors, which go through the project's own quantizers (``linear.quant`` group
+codes, the few-bit table kernels), so the figures are those of the modes' parts; "the first version" is the
+compressed mode before issue 25's fix (K-bit a, up and x, 3-bit few-bit codes of act'(gate)), "now" the shipped
+one (K-bit gate, up and x; act and act' recomputed from gate), also run through ``gated.convert`` itself.
+``linear`` compresses the other linear layers' saved inputs (attention projections, the head) with
+``linear.convert``.
 
     python benchmarks/gated_error.py            # K = 8 and 4, seeds 0..2 of the stochastic rounding
     python benchmarks/gated_error.py --quick    # a 2-layer, width-64 model, one seed
@@ -98,22 +101,23 @@ def _patch(model: torch.nn.Module, spec: dict) -> None:
 
 
 VARIANTS = {
-    "derivative 3-bit codes (today)": {"on": {"derivative"}, "derivative": 3},
-    "derivative K-bit codes": {"on": {"derivative"}, "derivative": "K"},
+    "act' as 3-bit few-bit codes (the first version)": {"on": {"derivative"}, "derivative": 3},
+    "act' as K-bit few-bit codes": {"on": {"derivative"}, "derivative": "K"},
     "a = act(gate)": {"on": {"a"}},
     "up": {"on": {"up"}},
     "x (gate/up weight gradients)": {"on": {"x"}},
-    "gate, recompute act and act' (stochastic)": {"on": {"gate"}},
-    "gate, recompute act and act' (nearest)": {"on": {"gate"}, "stochastic": False},
+    "gate, act and act' recomputed (stochastic)": {"on": {"gate"}},
+    "gate, act and act' recomputed (nearest)": {"on": {"gate"}, "stochastic": False},
     "linear inputs of attention and head": {"linear": True},
-    "all of today's gated compressed": {"on": {"derivative", "a", "up", "x"}, "derivative": 3},
-    "gate + up + x (recompute)": {"on": {"gate", "up", "x"}},
-    "today's gated + linear (transformer_loss compressedK)": {
+    "first version: a, up, x + 3-bit act'": {"on": {"derivative", "a", "up", "x"}, "derivative": 3},
+    "now: gate, up, x": {"on": {"gate", "up", "x"}},
+    "now, the shipped op (gated.convert compressed)": {"shipped": True},
+    "first version + linear (compressedK before)": {
         "on": {"derivative", "a", "up", "x"},
         "derivative": 3,
         "linear": True,
     },
-    "recompute gated + linear": {"on": {"gate", "up", "x"}, "linear": True},
+    "now + linear (compressedK)": {"shipped": True, "linear": True},
 }
 
 
@@ -151,12 +155,15 @@ def main(argv: list[str] | None = None) -> None:
             errors = []
             for seed in [int(s) for s in args.seeds.split(",")]:
                 model = copy.deepcopy(native)
-                if spec.get("on"):
+                if spec.get("shipped"):
+                    model = gated.convert(model, mode="compressed", bits=bits)
+                elif spec.get("on"):
                     _patch(model, spec)
                 if spec.get("linear"):
-                    model = gated.convert(model)  # the MLP linears stay out of linear.convert
-                    if spec.get("on"):
-                        _patch(model, spec)
+                    if not spec.get("shipped"):
+                        model = gated.convert(model)  # the MLP linears stay out of linear.convert
+                        if spec.get("on"):
+                            _patch(model, spec)
                     model = linear.convert(model, bits=bits)
                 torch.manual_seed(seed)
                 model(**inputs).loss.backward()
