@@ -9,18 +9,24 @@ every variant. Variants:
   3-bit activations (``runtime.fewbit`` convert) where an activation is left (GPT-2's MLP);
 * ``compressed8`` / ``compressed4``: the same with the gated-MLP op in compressed mode at K bits
   (``gated.convert(mode="compressed", bits=K)``) and K-bit saved inputs of every linear layer
-  (``linear.convert(bits=K)``).
+  (``linear.convert(bits=K)``);
+* ``compressed8-nearest`` / ``compressed4-nearest`` (not run by default): the same with nearest rounding of the
+  gated op's codes (``gated.convert(..., rounding="nearest")``; the linear layers keep stochastic rounding).
 
-Reported per model and variant, as ratios against the native run of the same model and seed in the same process:
-held-out loss (the targets of issue 25: within 1% at 8 bits, 2% at 4 bits), final training loss, bytes saved for
-backward by one training forward (``memory.saved_bytes``), median step time (loaded machine: indicative only), and the
-relative error of the parameter gradient at initialisation against native's on one batch.
+Reported per model, seed and variant, as ratios against the native run of the same model and seed: held-out loss,
+final training loss, bytes saved for backward by one training forward (``memory.saved_bytes``), median step time
+(loaded machine: indicative only), and the relative error of the parameter gradient at initialisation against
+native's on one batch. Then, per model and variant, the mean of each ratio over the seeds and its spread (half the
+range). The test of issue 25 is the MEAN held-out ratio over seeds: at most 1.01 at 8 bits and 1.02 at 4 bits. One
+seed cannot decide it: the exact variant, whose first gradient equals native's, moves by about +-0.5% between seeds
+(training order and rounding amplify any difference), so exact's own spread is the noise floor of every ratio.
 
-    python benchmarks/transformer_loss.py                    # 4 layers, width 128, seq 64, 180 steps, seed 0
-    python benchmarks/transformer_loss.py --seeds 0,1,2      # the spread between seeds
+    python benchmarks/transformer_loss.py --seeds 0,1,2      # 4 layers, width 128, seq 64, 180 steps, 3 seeds
     python benchmarks/transformer_loss.py --quick            # smoke test (a few steps of a tiny model)
+    python benchmarks/transformer_loss.py --models llama --variants native,compressed8 --seeds 2 --merge
+                                                             # re-run some runs, keep the CSV's other rows
 
-Writes ``benchmarks/results/transformer_loss.csv``.
+Runs go to ``--jobs`` processes by (model, seed). Writes ``benchmarks/results/transformer_loss.csv``.
 """
 
 from __future__ import annotations
@@ -50,10 +56,13 @@ def apply(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     activation), then norms and few-bit activations, then the linear layers' saved inputs."""
     if variant == "native":
         return model
-    bits = int(variant.removeprefix("compressed")) if variant.startswith("compressed") else None
+    name, _, rounding = variant.partition("-")
+    bits = int(name.removeprefix("compressed")) if name.startswith("compressed") else None
     with warnings.catch_warnings():  # "nothing replaced" (GPT-2 has no gated MLP) is expected
         warnings.simplefilter("ignore", UserWarning)
-        model = gated.convert(model, mode="exact" if bits is None else "compressed", bits=bits or 8)
+        model = gated.convert(
+            model, mode="exact" if bits is None else "compressed", bits=bits or 8, rounding=rounding or "stochastic"
+        )
         model = norms.convert(model)
         model = fewbit_convert.convert(model, bits=3, only_if_smaller=False)
         if bits is not None:
@@ -84,28 +93,59 @@ def run(kind: str, variant: str, seed: int, args, train: list, held_out: list) -
     return {**result, "saved_bytes": saved.total, "grad_rel_error": grad_error}
 
 
-def run_model(kind: str, args, train: list, held_out: list) -> list[dict]:
+RATIOS = ("held_out_loss", "final_loss", "saved_bytes", "step_seconds")
+
+
+def run_seed(kind: str, seed: int, args, train: list, held_out: list) -> list[dict]:
+    """Every variant of ``kind`` at ``seed``; ratios against the first variant (the baseline) of this seed."""
     harness.set_threads(args.threads)
     real_models.transformers.logging.set_verbosity_error()
     warnings.filterwarnings("ignore", message=".*loss_type.*")
-    rows = []
-    for seed in args.seed_list:
-        native = None
-        for variant in args.variants.split(","):
-            result = run(kind, variant, seed, args, train, held_out)
-            native = native or result
-            row = {"model": kind, "variant": variant, "seed": seed, **result}
-            for key in ("held_out_loss", "final_loss", "saved_bytes", "step_seconds"):
-                row[f"{key}_ratio"] = result[key] / native[key]
-            rows.append(row)
-            print(
-                f"{kind:14s} seed {seed} {variant:12s} held-out {result['held_out_loss']:.4f} "
-                f"(x{row['held_out_loss_ratio']:.4f}) final x{row['final_loss_ratio']:.4f}  "
-                f"saved x{row['saved_bytes_ratio']:.3f}  step x{row['step_seconds_ratio']:.2f}  "
-                f"grad err {result['grad_rel_error']:.4f}",
-                flush=True,
-            )
+    rows, baseline = [], None
+    for variant in args.variants.split(","):
+        result = run(kind, variant, seed, args, train, held_out)
+        baseline = baseline or result
+        row = {"model": kind, "variant": variant, "seed": seed, **result}
+        for key in RATIOS:
+            row[f"{key}_ratio"] = result[key] / baseline[key]
+        rows.append(row)
+        print(
+            f"{kind:14s} seed {seed} {variant:12s} held-out {result['held_out_loss']:.4f} "
+            f"(x{row['held_out_loss_ratio']:.4f}) final x{row['final_loss_ratio']:.4f}  "
+            f"saved x{row['saved_bytes_ratio']:.3f}  step x{row['step_seconds_ratio']:.2f}  "
+            f"grad err {result['grad_rel_error']:.4f}",
+            flush=True,
+        )
     return rows
+
+
+def ordered(rows: list[dict], variants: str) -> list[dict]:
+    """``rows`` by model, seed, then variant (the default order, then those of ``variants``)."""
+    order = {variant: index for index, variant in enumerate(dict.fromkeys([*VARIANTS, *variants.split(",")]))}
+    return sorted(rows, key=lambda row: (row["model"], int(row["seed"]), order.get(row["variant"], len(order))))
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Per model and variant: each ratio's mean over seeds +- its spread (half the range), and the issue's test."""
+    targets = {"compressed8": 1.01, "compressed4": 1.02, "compressed8-nearest": 1.01, "compressed4-nearest": 1.02}
+    lines = ["mean over seeds +- spread (half the range); the issue's test is the mean held-out ratio:"]
+    for kind in dict.fromkeys(row["model"] for row in rows):
+        for variant in dict.fromkeys(row["variant"] for row in rows if row["model"] == kind):
+            chosen = [row for row in rows if row["model"] == kind and row["variant"] == variant]
+            seeds = ",".join(str(row["seed"]) for row in chosen)
+            parts = []
+            for key in ("held_out_loss_ratio", "final_loss_ratio", "grad_rel_error"):
+                values = [float(row[key]) for row in chosen]
+                parts.append(f"{key.removesuffix('_ratio')} {statistics.fmean(values):.4f} +- "
+                             f"{(max(values) - min(values)) / 2:.4f}")  # fmt: skip
+            mean = statistics.fmean(float(row["held_out_loss_ratio"]) for row in chosen)
+            verdict = ""
+            if variant in targets:
+                verdict = f"  target <= {targets[variant]}: {'met' if mean <= targets[variant] else 'NOT met'}"
+            elif variant == "exact":
+                verdict = "  (the noise floor)"
+            lines.append(f"  {kind:14s} {variant:12s} seeds {seeds}: " + ", ".join(parts) + verdict)
+    return lines
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -126,6 +166,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--data-seed", type=int, default=0)
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     harness.add_options(parser, threads=1, out=str(harness.RESULTS / "transformer_loss.csv"))
+    parser.add_argument("--merge", action="store_true", help="keep the rows of --out that this run does not redo")
+    parser.add_argument("--report", action="store_true", help="print the summary of --out; run nothing")
     parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model: a smoke test")
     args = parser.parse_args(argv)
     if args.quick:
@@ -133,6 +175,9 @@ def main(argv: list[str] | None = None) -> None:
         args.corpus_bytes = min(args.corpus_bytes, 200_000)
         args.out = args.out.replace(".csv", "-quick.csv")
     args.seed_list = [int(seed) for seed in args.seeds.split(",")]
+    if args.report:
+        print("\n".join(summary(ordered(harness.read_csv(args.out), args.variants))))
+        return
     harness.set_threads(args.threads)
     data = torch.tensor(list(real_models.corpus(args.corpus_bytes)), dtype=torch.int64)
     split = int(data.numel() * 0.9)
@@ -143,22 +188,23 @@ def main(argv: list[str] | None = None) -> None:
         f"batch {args.batch}, {args.steps} steps, seeds {args.seeds}, {args.threads} threads"
     )
     began = time.perf_counter()
-    kinds = args.models.split(",")
-    if args.jobs > 1 and len(kinds) > 1:
+    tasks = [(kind, seed) for seed in args.seed_list for kind in args.models.split(",")]
+    if args.jobs > 1 and len(tasks) > 1:
         from concurrent.futures import ProcessPoolExecutor
 
-        with ProcessPoolExecutor(max_workers=args.jobs) as pool:
-            outcomes = list(pool.map(run_model, kinds, *([item] * len(kinds) for item in (args, train, held_out))))
+        with ProcessPoolExecutor(max_workers=min(args.jobs, len(tasks))) as pool:
+            futures = [pool.submit(run_seed, kind, seed, args, train, held_out) for kind, seed in tasks]
+            outcomes = [future.result() for future in futures]
     else:
-        outcomes = [run_model(kind, args, train, held_out) for kind in kinds]
-    rows = [row for model_rows in outcomes for row in model_rows]
-    print("mean held-out loss ratio against native over seeds:")
-    for kind in kinds:
-        for variant in args.variants.split(","):
-            ratios = [row["held_out_loss_ratio"] for row in rows if row["model"] == kind and row["variant"] == variant]
-            print(f"  {kind:14s} {variant:12s} x{statistics.fmean(ratios):.4f}")
+        outcomes = [run_seed(kind, seed, args, train, held_out) for kind, seed in tasks]
+    rows = [row for task_rows in outcomes for row in task_rows]
+    if args.merge and Path(args.out).exists():
+        redone = {(row["model"], row["variant"], str(row["seed"])) for row in rows}
+        kept = [row for row in harness.read_csv(args.out) if (row["model"], row["variant"], row["seed"]) not in redone]
+        rows = kept + rows
+    print("\n".join(summary(ordered(rows, args.variants))))
     print(f"total {time.perf_counter() - began:.0f} s")
-    print(f"wrote {harness.write_csv(args.out, rows)}")
+    print(f"wrote {harness.write_csv(args.out, ordered(rows, args.variants))}")
 
 
 if __name__ == "__main__":

@@ -32,3 +32,30 @@ def test_quick_run_writes_ratios_against_native(tmp_path):
     assert float(rows[1]["grad_rel_error"]) < 1e-5
     saved = [ratios[variant]["saved_bytes_ratio"] for variant in ("native", "exact", "compressed8", "compressed4")]
     assert saved == sorted(saved, reverse=True) and saved[1] < 1
+
+
+def test_seeds_give_mean_and_spread_and_merge_keeps_the_other_rows(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("transformer_loss", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "loss.csv"
+    common = ["--quick", "--models", "llama", "--jobs", "1", "--out", str(out)]
+    module.main([*common, "--variants", "native,compressed8", "--seeds", "0,1"])
+    printed = capsys.readouterr().out
+    rows = list(csv.DictReader(open(tmp_path / "loss-quick.csv")))
+    assert [(row["seed"], row["variant"]) for row in rows] == [
+        ("0", "native"), ("0", "compressed8"), ("1", "native"), ("1", "compressed8"),
+    ]  # fmt: skip
+    ratios = [float(row["held_out_loss_ratio"]) for row in rows if row["variant"] == "compressed8"]
+    mean, spread = sum(ratios) / 2, abs(ratios[0] - ratios[1]) / 2
+    line = next(line for line in printed.splitlines() if "compressed8  seeds 0,1:" in line)
+    assert f"held_out_loss {mean:.4f} +- {spread:.4f}" in line and "target <= 1.01" in line
+    # --merge: a re-run of seed 1 replaces that seed's rows and keeps seed 0's
+    module.main([*common, "--variants", "native,exact", "--seeds", "1", "--merge"])
+    merged = list(csv.DictReader(open(tmp_path / "loss-quick.csv")))
+    assert [(row["seed"], row["variant"]) for row in merged] == [
+        ("0", "native"), ("0", "compressed8"), ("1", "native"), ("1", "exact"), ("1", "compressed8"),
+    ]  # fmt: skip
+    assert merged[2]["held_out_loss"] == rows[2]["held_out_loss"]  # the native run is deterministic
+    module.main([*common, "--report"])
+    assert "exact        seeds 1:" in capsys.readouterr().out

@@ -1,8 +1,8 @@
 """The gated-MLP op: ``down(act(gate(x)) * up(x))`` (SwiGLU, GeGLU, gelu-tanh GLU; separate or fused ``gate_up``
 projections) as one autograd function that keeps x, gate and up for backward and recomputes ``act(gate)`` and the
 product there: exact gradients, H + 2I elements per token saved instead of native eager's H + 4I. Its compressed
-mode (:mod:`.compressed`, ``mode="compressed"``) keeps few-bit codes of act'(gate) and K-bit group codes of x,
-act(gate) and up instead: an exact forward and approximate gradients.
+mode (:mod:`.compressed`, ``mode="compressed"``) keeps K-bit group codes of x, gate and up
+instead and recomputes act(gate) and act'(gate) from gate's: an exact forward and approximate gradients.
 
 Layout: :mod:`.ops` (the ``torch.library`` custom ops ``fewbit::gated_mlp`` / ``fewbit::gated_mlp_backward`` with
 fake kernels, their autograd and the pure-torch reference), :mod:`.nn` (:class:`GatedMLP`, which holds the original

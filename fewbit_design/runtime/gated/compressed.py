@@ -1,4 +1,4 @@
-"""The gated-MLP op's compressed mode: an exact forward, and a backward from codes (approximate gradients).
+"""The gated-MLP op's compressed mode: an exact forward, and a backward from K-bit codes (approximate gradients).
 
 Terms as in :mod:`.ops` (x (N, H), gate and up (N, I), a = act(gate), h = a * up, y = h W_down^T + b_down). Backward
 needs
@@ -6,33 +6,42 @@ needs
     dW_down = g^T h,  dh = g W_down,  d_up = dh * a,  d_gate = act'(gate) * (dh * up),
     dW_gate = d_gate^T x,  dW_up = d_up^T x,  dx = d_gate W_gate + d_up W_up   (biases: sums of the gradients),
 
-so the values it reads are a, up, act'(gate) and x (h is a * up). This mode keeps
+so the values it reads are a, up, act'(gate) and x (h is a * up). This mode keeps ``bits`` = K-bit group codes
+(2 to 8 bits; :mod:`fewbit_design.runtime.linear.quant`: per-group low and step, float32, 8 bytes per group of
+``group_size``) of
 
-* act'(gate) as few-bit codes (``derivative_bits`` bits per element, default 3): the shipped table of the activation
-  through the runtime lookup, quantized and applied by the few-bit kernels (``quantize`` / ``scale`` of
-  :mod:`fewbit_design.runtime.fewbit.ops`), exactly as a few-bit activation does;
-* a and up as K-bit group codes (``bits`` = K, 2 to 8; :mod:`fewbit_design.runtime.linear.quant`: per-group low and
-  step, float32, 8 bytes per group of ``group_size``), with independent stochastic rounding for a and up, so the
-  recomputed product ``h~ = a~ * up~`` is unbiased (E[a~ up~] = a up) and so are ``dW_down`` and ``d_up``;
-* x as K-bit group codes, once for both weight gradients, through the compressed linear layers' codes
-  (:func:`fewbit_design.runtime.linear.ops` keeps one set of codes per input tensor in eager, so a compressed linear
-  reading the same x would share them). Not kept when neither gate nor up weight needs a gradient.
+* gate, from which backward recomputes both a~ = act(gate~) and act'(gate~) (the kernels of the exact mode), so
+  every error term shrinks with K: |act(gate~) - act(gate)| <= max|act'| |gate~ - gate| and |act'(gate~) -
+  act'(gate)| <= max|act''| |gate~ - gate|, and |gate~ - gate| is below one step, the group's range / (2^K - 1);
+* up, with rounding independent of gate's (its own seed), so the recomputed product h~ = act(gate~) * up~ carries
+  no correlated rounding of its two factors;
+* x, once for both weight gradients, through the compressed linear layers' codes (:func:`fewbit_design.runtime.
+  linear.ops` keeps one set of codes per input tensor in eager, so a compressed linear reading the same x would
+  share them). Not kept when neither gate nor up weight needs a gradient.
 
-What to keep (bytes at a given error): a and up are each needed on their own (d_up reads a, d_gate reads up), so two
-I-wide tensors is the least; h is recomputed from them rather than kept (keeping h too costs I more codes per token;
-keeping h instead of a needs a = h / up, unstable where up is near 0). act'(gate) has no cheaper source: it is not a
-function of a for SiLU and GELU (a is not monotone), and the few-bit codes are the smallest form at its error.
+Why gate and not a = act(gate) with few-bit codes of act'(gate) (the first version of this mode): the few-bit codes
+(3 bits) have a fixed error whatever K is, and it dominated. Measured on one step of the byte-level LLaMA of
+``benchmarks/transformer_loss.py`` (``benchmarks/gated_error.py``, relative parameter-gradient error against native,
+each compression on alone): the 3-bit act' codes 0.014 against 0.0008 or less for each K = 8 value code, so the first
+version's 8-bit mode had the gradient error of a 3-bit one; keeping gate instead gives 0.0012 for the whole mode at
+K = 8 (0.014 before) and 0.022 at K = 4 (0.026 before), and drops the I * 3 / 8 bytes of act' codes. Two I-wide
+tensors is the least (d_up reads a, d_gate reads up); h is recomputed rather than kept (keeping h instead of up needs
+up = h / a, unstable where a is near 0).
 
 Saved bytes per token, for I and H multiples of 8 and of ``group_size`` (in general: ``ceil(n / 8) * bits`` bytes
 for n codes plus 8 bytes per group; :func:`saved_nbytes_per_token` counts it exactly for any shape):
 
-    (H + 2 I) * K / 8 + 8 * (H + 2 I) / group_size + I * derivative_bits / 8
+    (H + 2 I) * K / 8 + 8 * (H + 2 I) / group_size
 
-e.g. H = 128, I = 256, group 64, 3-bit derivative codes: 816 bytes at K = 8 and 496 at K = 4, against exact mode's
-(H + 2 I) * 4 = 2560 (float32) and native eager's (H + 4 I) * 4 = 4608.
+e.g. H = 128, I = 256, group 64: 720 bytes at K = 8 and 400 at K = 4, against exact mode's (H + 2 I) * 4 = 2560
+(float32) and native eager's (H + 4 I) * 4 = 4608.
 
-Non-finite values: a group of a or up that holds a non-finite value decodes to NaN (:mod:`..linear.quant`), so every
-gradient that reads it is NaN: never a finite gradient from a non-finite forward.
+Rounding: ``"stochastic"`` (default: every code unbiased, as the linear technique's) or ``"nearest"`` (half the
+worst-case error per element, biased; the measured one-step gradient error of gate codes alone at K = 4 is 0.010
+nearest against 0.013 stochastic).
+
+Non-finite values: a group of gate or up that holds a non-finite value decodes to NaN (:mod:`..linear.quant`), so
+every gradient that reads it is NaN: never a finite gradient from a non-finite forward.
 
 Custom ops (fake kernels, ``register_autograd``): ``fewbit::gated_mlp_compressed`` and
 ``fewbit::gated_mlp_compressed_backward``; :func:`gated_mlp_compressed` is the entry point used by
@@ -44,38 +53,32 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError
-from ..fewbit.backends import TableTensors, quantize, scale
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_groups, saved_nbytes
-from .ops import SECOND_ORDER_MESSAGE, _activation, _linear, gated_mlp_reference, prepare_inputs
+from .ops import (
+    SECOND_ORDER_MESSAGE,
+    _activation,
+    _activation_backward,
+    _linear,
+    gated_mlp_reference,
+    prepare_inputs,
+)
 
-__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token", "TABLE_ACTIVATIONS"]
-
-#: the op's activation -> (runtime table activation, its params): the shipped tables act'(gate) is coded with
-TABLE_ACTIVATIONS = {
-    "silu": ("silu", {}),
-    "gelu": ("gelu", {"approximate": "none"}),
-    "gelu_tanh": ("gelu", {"approximate": "tanh"}),
-    "relu": ("relu", {}),
-}
+__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token"]
 
 
-def saved_nbytes_per_token(
-    hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, derivative_bits: int = 3, tokens: int = 1
-) -> int:
+def saved_nbytes_per_token(hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, tokens: int = 1) -> int:
     """Bytes the compressed mode keeps for ``tokens`` tokens (x: hidden features, gate and up: width each): K-bit
-    codes and scales of x, a and up plus the few-bit codes of act'(gate) (per token when ``tokens`` is 1).
+    codes and scales of x, gate and up (per token when ``tokens`` is 1).
 
     Args:
         hidden: H, the features of x.
         width: I, the features of gate and up.
         bits: bits of the value codes.
         group_size: elements per group sharing one scale and offset.
-        derivative_bits: bits of the few-bit codes of act'(gate).
         tokens: how many tokens.
     """
-    x_bytes = saved_nbytes((tokens, hidden), bits, group_size)
-    return x_bytes + 2 * saved_nbytes((tokens, width), bits, group_size) + -(-tokens * width // 8) * derivative_bits
+    return saved_nbytes((tokens, hidden), bits, group_size) + 2 * saved_nbytes((tokens, width), bits, group_size)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -92,47 +95,39 @@ def _forward_op(
     w_down: torch.Tensor,
     b_down: torch.Tensor | None,
     activation: str,
-    boundaries: torch.Tensor,
-    interval_codes: torch.Tensor,
-    derivative_bits: int,
     bits: int,
     group_size: int,
     stochastic: bool,
     seed: torch.Tensor,
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
-    levels32: torch.Tensor,
-    levels64: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(y, act'(gate) codes, a's packed codes and scales, up's packed codes and scales) for a 2-D x. x's codes and the
-    table's levels are not read here: they are inputs so that autograd's setup keeps them for backward."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(y, gate's packed codes and scales, up's packed codes and scales) for a 2-D x. x's codes are not read here:
+    they are inputs so that autograd's setup keeps them for backward."""
     if w_up is None:
         gate, up = _linear(x, w_gate, b_gate).chunk(2, dim=-1)
     else:
         gate, up = _linear(x, w_gate, b_gate), _linear(x, w_up, b_up)
-    a = _activation(gate, activation)
-    y = _linear(a * up, w_down, b_down)
-    derivative = quantize(gate, boundaries, interval_codes, derivative_bits)
-    a_packed, a_scales = quantize_groups(a, bits, group_size, stochastic=stochastic, seed=int(seed))
-    # an independent stream for up (seed + 1): correlated rounding of a and up would bias a~ * up~
+    y = _linear(_activation(gate, activation) * up, w_down, b_down)
+    gate_packed, gate_scales = quantize_groups(gate, bits, group_size, stochastic=stochastic, seed=int(seed))
+    # an independent stream for up (seed + 1): correlated rounding of gate and up would correlate a~ and up~
     up_packed, up_scales = quantize_groups(up, bits, group_size, stochastic=stochastic, seed=int(seed) + 1)
-    return y, derivative, a_packed, a_scales, up_packed, up_scales
+    return y, gate_packed, gate_scales, up_packed, up_scales
 
 
 @_forward_op.register_fake
-def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, boundaries, interval_codes, derivative_bits, bits,
-      group_size, stochastic, seed, x_packed, x_scales, levels32, levels64):  # fmt: skip
+def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, bits, group_size, stochastic, seed, x_packed,
+      x_scales):  # fmt: skip
     rows, width = x.shape[0], w_down.shape[1]
-    numel = rows * width
     groups = (width + group_size - 1) // group_size
 
-    def codes(code_bits):
-        return x.new_empty(((numel + 7) // 8) * code_bits, dtype=torch.uint8)
+    def codes():
+        return x.new_empty(((rows * width + 7) // 8) * bits, dtype=torch.uint8)
 
     def scales():
         return x.new_empty((rows, groups, 2), dtype=torch.float32)
 
-    return x.new_empty(rows, w_down.shape[0]), codes(derivative_bits), codes(bits), scales(), codes(bits), scales()
+    return x.new_empty(rows, w_down.shape[0]), codes(), scales(), codes(), scales()
 
 
 def _empty(like: torch.Tensor) -> torch.Tensor:
@@ -145,16 +140,14 @@ def _backward_op(
     grad: torch.Tensor,
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
-    derivative: torch.Tensor,
-    levels: torch.Tensor,
-    a_packed: torch.Tensor,
-    a_scales: torch.Tensor,
+    gate_packed: torch.Tensor,
+    gate_scales: torch.Tensor,
     up_packed: torch.Tensor,
     up_scales: torch.Tensor,
     w_gate: torch.Tensor,
     w_up: torch.Tensor | None,
     w_down: torch.Tensor,
-    derivative_bits: int,
+    activation: str,
     bits: int,
     group_size: int,
     input_grad: bool,
@@ -164,15 +157,15 @@ def _backward_op(
     gate and up weight gradients empty unless ``weight_grad``, dW_up and db_up empty in the fused layout."""
     hidden, width, dtype = w_gate.shape[1], w_down.shape[1], grad.dtype
     fused = w_up is None
-    a = dequantize_groups(a_packed, a_scales, width, bits, group_size, dtype)
+    gate = dequantize_groups(gate_packed, gate_scales, width, bits, group_size, dtype)
     up = dequantize_groups(up_packed, up_scales, width, bits, group_size, dtype)
+    a = _activation(gate, activation)  # a~ = act(gate~)
     grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
     grad_b_down = grad.sum(0)
     grad_h = grad.mm(w_down)
     grad_up = grad_h * a
-    del a
-    grad_gate = scale(grad_h * up, derivative, levels, derivative_bits)  # act'(gate) ~ levels[code]
-    del up, grad_h
+    grad_gate = _activation_backward(grad_h * up, gate, a, activation)  # act'(gate~) * (dh * up~)
+    del a, up, gate, grad_h
     if fused:
         grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
         grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
@@ -196,8 +189,8 @@ def _backward_op(
 
 
 @_backward_op.register_fake
-def _(grad, x_packed, x_scales, derivative, levels, a_packed, a_scales, up_packed, up_scales, w_gate, w_up, w_down,
-      derivative_bits, bits, group_size, input_grad, weight_grad):  # fmt: skip
+def _(grad, x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down, activation,
+      bits, group_size, input_grad, weight_grad):  # fmt: skip
     rows = grad.shape[0]
     grad_x = grad.new_empty(rows, w_gate.shape[1]) if input_grad else _empty(grad)
     grad_w_down, grad_b_down = grad.new_empty(w_down.shape), grad.new_empty(w_down.shape[0])
@@ -213,18 +206,16 @@ def _(grad, x_packed, x_scales, derivative, levels, a_packed, a_scales, up_packe
 # ----------------------------------------------------------------------------------------------------------------------
 # Autograd
 
+_INPUTS = 14  # the forward op's arguments
+
 
 def _setup_context(ctx, inputs, output) -> None:
-    x, w_gate, b_gate, w_up, b_up, w_down, b_down = inputs[:7]
-    derivative_bits, bits, group_size = inputs[10:13]
-    x_packed, x_scales, levels32, levels64 = inputs[15:19]
-    _, derivative, a_packed, a_scales, up_packed, up_scales = output
+    x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, bits, group_size = inputs[:10]
+    x_packed, x_scales = inputs[12:14]
+    _, gate_packed, gate_scales, up_packed, up_scales = output
     ctx.set_materialize_grads(False)
-    ctx.save_for_backward(
-        x_packed, x_scales, derivative, levels32, levels64, a_packed, a_scales, up_packed, up_scales, w_gate, w_up,
-        w_down,
-    )  # fmt: skip
-    ctx.options = (derivative_bits, bits, group_size)
+    ctx.save_for_backward(x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down)
+    ctx.options = (activation, bits, group_size)
     ctx.biases = (b_gate is not None, b_up is not None, b_down is not None)
 
 
@@ -232,22 +223,8 @@ def _backward(ctx, grad, *_):
     if torch.is_grad_enabled():
         raise FewBitError(SECOND_ORDER_MESSAGE)
     if grad is None:
-        return (None,) * 19
-    (
-        x_packed,
-        x_scales,
-        derivative,
-        levels32,
-        levels64,
-        a_packed,
-        a_scales,
-        up_packed,
-        up_scales,
-        w_gate,
-        w_up,
-        w_down,
-    ) = ctx.saved_tensors
-    levels = levels64 if grad.dtype == torch.float64 else levels32
+        return (None,) * _INPUTS
+    x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad
     weight_grad = bool(needs[1] or needs[2] or needs[3] or needs[4])
     grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = (
@@ -255,10 +232,8 @@ def _backward(ctx, grad, *_):
             grad.contiguous(),
             x_packed,
             x_scales,
-            derivative,
-            levels,
-            a_packed,
-            a_scales,
+            gate_packed,
+            gate_scales,
             up_packed,
             up_scales,
             w_gate,
@@ -278,7 +253,7 @@ def _backward(ctx, grad, *_):
         grad_b_up if has_b_up and needs[4] else None,
         grad_w_down if needs[5] else None,
         grad_b_down if has_b_down and needs[6] else None,
-        *(None,) * 12,
+        *(None,) * (_INPUTS - 7),
     )
 
 
@@ -298,15 +273,14 @@ def gated_mlp_compressed(
     w_down: torch.Tensor,
     b_down: torch.Tensor | None,
     activation: str,
-    tensors: TableTensors,
     *,
     bits: int = 8,
     group_size: int = GROUP_SIZE,
     rounding: str = "stochastic",
 ) -> torch.Tensor:
-    """``down(act(gate(x)) * up(x))`` for x of shape (..., H), bitwise the exact op's output, keeping few-bit codes
-    of act'(gate) (the table in ``tensors``, one for ``activation``'s derivative) and ``bits``-bit group codes of x,
-    a and up for backward (module docstring).
+    """``down(act(gate(x)) * up(x))`` for x of shape (..., H), bitwise the exact op's output, keeping ``bits``-bit
+    group codes of x, gate and up for backward, which recomputes act(gate) and act'(gate) from gate's codes (module
+    docstring).
 
     Args:
         x: the input (..., H), as :func:`~.ops.gated_mlp`.
@@ -317,7 +291,6 @@ def gated_mlp_compressed(
         w_down: the down projection's weight (H, I).
         b_down: its bias, or None.
         activation: the activation's name, as :func:`~.ops.gated_mlp`.
-        tensors: the few-bit table of ``activation``'s derivative.
         bits: bits of the value codes (2-8).
         group_size: elements per group sharing one scale and offset.
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
@@ -336,11 +309,9 @@ def gated_mlp_compressed(
             x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a compressed linear
         else:  # no gate or up weight gradient: x is not needed
             x_packed, x_scales = rows.new_empty(0, dtype=torch.uint8), rows.new_empty(0, 0, 2, dtype=torch.float32)
-        boundaries, _ = tensors.for_input(x.dtype)
         # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)
         y, *_ = torch.ops.fewbit.gated_mlp_compressed(
-            rows, *weights, activation, boundaries, tensors.interval_codes, tensors.bits, bits, group_size,
-            stochastic, seed, x_packed, x_scales, tensors.levels32, tensors.levels64,
-        )  # fmt: skip
+            rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales
+        )
     return y.reshape(*leading, y.shape[-1])

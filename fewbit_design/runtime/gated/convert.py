@@ -116,7 +116,7 @@ class GatedReport:
             kept = (
                 "saves x, gate, up"
                 if self.mode == "exact"
-                else f"compressed: saves act' codes and {self.bits}-bit codes of x, act(gate), up"
+                else f"compressed: saves {self.bits}-bit codes of x, gate, up"
             )
             lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; {kept})")
         for (original, reason), count in Counter((item.original, item.reason) for item in self.skipped).items():
@@ -272,12 +272,15 @@ def _candidate(module: torch.nn.Module, options: dict) -> GatedMLP | str | None:
     return _agrees(module, replacement, layout) or replacement
 
 
-def convert(model: torch.nn.Module, *, mode: str = "exact", bits: int = 8) -> torch.nn.Module:
+def convert(
+    model: torch.nn.Module, *, mode: str = "exact", bits: int = 8, rounding: str = "stochastic"
+) -> torch.nn.Module:
     """Replace the gated MLPs of ``model`` (in place) by :class:`~.nn.GatedMLP`; returns the model.
 
-    ``mode``: ``"exact"`` (keep x, gate and up; exact gradients) or ``"compressed"`` (few-bit codes of act'(gate) and
-    ``bits``-bit group codes of x, act(gate) and up, 2 to 8 bits: exact forward, approximate gradients; see
-    :mod:`.compressed`). A module that is a :class:`~.nn.GatedMLP` already keeps its mode.
+    ``mode``: ``"exact"`` (keep x, gate and up; exact gradients) or ``"compressed"`` (``bits``-bit group codes of x,
+    gate and up, 2 to 8 bits, act(gate) and act'(gate) recomputed from gate's: exact forward, approximate gradients; see
+    :mod:`.compressed`); ``rounding``: the compressed mode's, ``"stochastic"`` (unbiased, the default) or
+    ``"nearest"``. A module that is a :class:`~.nn.GatedMLP` already keeps its mode.
 
     The report (:class:`GatedReport`: what was replaced, what was left alone and why) is ``model.gated_report``. A
     model that is itself a gated MLP cannot be changed in place: its replacement is returned (use the return value).
@@ -285,10 +288,8 @@ def convert(model: torch.nn.Module, *, mode: str = "exact", bits: int = 8) -> to
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"gated.convert takes a torch.nn.Module, got {type(model).__name__}")
-    options = {
-        "mode": check_choice("gated MLP mode", mode, MODES),
-        "bits": check_options(bits, GROUP_SIZE, "stochastic")[0],
-    }
+    bits, _, rounding = check_options(bits, GROUP_SIZE, rounding)
+    options = {"mode": check_choice("gated MLP mode", mode, MODES), "bits": bits, "rounding": rounding}
     report = GatedReport(mode=options["mode"], bits=options["bits"])
     decided: dict[int, GatedMLP | str | None] = {}
     names: dict[int, list[str]] = {}

@@ -6,19 +6,16 @@ from typing import NamedTuple
 
 import torch
 
-from ...errors import FewBitError, check_bits, check_choice
-from ..fewbit.backends import decode_table, encode_table
-from ..fewbit.lookup import load_table
+from ...errors import check_choice
 from ..linear.quant import GROUP_SIZE, check_options
-from .compressed import TABLE_ACTIVATIONS, gated_mlp_compressed
+from .compressed import gated_mlp_compressed
 from .ops import ACTIVATIONS, gated_mlp
 
 __all__ = ["GatedMLP", "Layout", "LAYOUTS", "MODES"]
 
-#: the op's modes: ``exact`` keeps x, gate and up (exact gradients); ``compressed`` keeps few-bit codes of
-#: act'(gate) and K-bit group codes of x, act(gate) and up (approximate gradients, :mod:`.compressed`)
+#: the op's modes: ``exact`` keeps x, gate and up (exact gradients); ``compressed`` keeps K-bit group codes of
+#: x, gate and up and recomputes act(gate) and act'(gate) from them (approximate gradients, :mod:`.compressed`)
 MODES = ("exact", "compressed")
-_TABLE_BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "levels64")
 
 
 class Layout(NamedTuple):
@@ -41,9 +38,9 @@ LAYOUTS = (
 
 class GatedMLP(torch.nn.Module):
     """``down(act(gate(x)) * up(x))`` with the gated-MLP op: ``mode="exact"`` saves x, gate and up (exact
-    gradients); ``mode="compressed"`` saves ``derivative_bits``-bit codes of act'(gate) (the shipped table) and
-    ``bits``-bit group codes of x, act(gate) and up (``group_size``, ``rounding`` as in
-    :func:`fewbit_design.runtime.linear.convert`), with an exact forward and approximate gradients.
+    gradients); ``mode="compressed"`` saves ``bits``-bit group codes of x, gate and up (``group_size``, ``rounding``
+    as in :func:`fewbit_design.runtime.linear.convert`) and recomputes act(gate) and act'(gate) from gate's codes,
+    with an exact forward and approximate gradients.
 
     It holds the original module's children under their own names (the same ``nn.Linear`` objects, so parameter
     names, ``state_dict`` keys and optimizer state are unchanged); ``activation`` is one of
@@ -76,28 +73,16 @@ class GatedMLP(torch.nn.Module):
         bits: int = 8,
         group_size: int = GROUP_SIZE,
         rounding: str = "stochastic",
-        derivative_bits: int = 3,
     ) -> None:
         super().__init__()
         assert activation in ACTIVATIONS, activation
         self.mode = check_choice("gated MLP mode", mode, MODES)
         self.bits, self.group_size, self.rounding = check_options(bits, group_size, rounding)
-        self.derivative_bits = check_bits(derivative_bits, name="derivative_bits")
         for name, child in children.items():
             self.add_module(name, child)
         self.layout = layout
         self.activation = activation
         self.original = original
-        if self.mode == "compressed":
-            # the table of act' as non-persistent integer buffers (as few-bit modules hold theirs): they follow
-            # .to(device), stay out of state_dict, and memory.saved_bytes(model) does not count them
-            name, params = TABLE_ACTIVATIONS[activation]
-            try:
-                table = load_table(name, params=params, bits=self.derivative_bits)
-            except FewBitError as exc:
-                raise FewBitError(f"GatedMLP(mode='compressed'): {exc}") from None
-            for key, tensor in encode_table(table).items():
-                self.register_buffer(f"_table_{key}", tensor, persistent=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate = getattr(self, self.layout.gate)
@@ -115,10 +100,7 @@ class GatedMLP(torch.nn.Module):
         )
         if self.mode == "exact":
             return gated_mlp(*arguments)
-        tensors = decode_table(self.derivative_bits, {key: getattr(self, f"_table_{key}") for key in _TABLE_BUFFERS})
-        return gated_mlp_compressed(
-            *arguments, tensors, bits=self.bits, group_size=self.group_size, rounding=self.rounding
-        )
+        return gated_mlp_compressed(*arguments, bits=self.bits, group_size=self.group_size, rounding=self.rounding)
 
     def extra_repr(self) -> str:
         fused = ", fused gate_up" if self.layout.up is None else ""
@@ -126,5 +108,5 @@ class GatedMLP(torch.nn.Module):
             return f"activation={self.activation!r}{fused}"
         return (
             f"activation={self.activation!r}{fused}, mode='compressed', bits={self.bits}, group_size="
-            f"{self.group_size}, rounding={self.rounding!r}, derivative_bits={self.derivative_bits}"
+            f"{self.group_size}, rounding={self.rounding!r}"
         )

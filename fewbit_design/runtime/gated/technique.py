@@ -1,6 +1,6 @@
 """The gated-MLP op as the planner sees it: every gated MLP of the block (``down(act(gate(x)) * up(x))``) keeps x,
-gate and up for backward and recomputes the rest (exact gradients), or, in compressed mode, few-bit codes of
-act'(gate) and K-bit codes of x, act(gate) and up (approximate gradients). Config: the plan's ``gated_mode``
+gate and up for backward and recomputes the rest (exact gradients), or, in compressed mode, K-bit codes of x, gate
+and up, recomputing act(gate) and act'(gate) from gate's (approximate gradients). Config: the plan's ``gated_mode``
 (``"exact"``, the default, or ``"compressed"``) and ``gated_bits`` (K, 2 to 8, default 8; read in compressed mode).
 
 ``exact`` below is the default mode's: the compressed mode is opt-in through ``gated_mode``, which the planner never
