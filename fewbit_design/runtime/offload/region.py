@@ -8,6 +8,7 @@ the targets and what stays in place.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -99,6 +100,20 @@ class _Options:
         )
 
 
+def _never_compiled(hook: Any) -> Any:
+    """``hook`` as a function that ``torch.compile`` never traces.
+
+    Autograd calls the pack hook from whatever frame saves a tensor. Where ``torch.compile`` runs a model's code
+    eagerly after a graph break (an offloaded block's forward always breaks: the region's ``with`` is Python
+    state), its frame callback also catches the hook's own frame and dynamo compiles ``Session.pack`` as a
+    graph: I/O, weak references and storage addresses guarded and re-traced per shape, and for some saved tensors
+    (the memory-sharing norm's outputs) a graph that fails to compile (``tensor._base`` traced as a tensor, None
+    when run: ``BackendCompilerFailed``). The hooks are plain Python by design; dynamo is only imported where
+    something already compiles (so ``import fewbit_design.runtime`` stays lean)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
+
+
 def _top_hooks() -> tuple[Any, Any] | None:
     """The saved-tensor hooks on top of this thread's stack (pack, unpack), or None."""
     top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
@@ -128,7 +143,7 @@ class _Region:
             assert self._options is not None, "a region has a session or the options to make one"
             self._session = self._options.session()
         session = self._session
-        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_never_compiled(session.pack), _never_compiled(session.unpack))
         push_stats(session.stats)
         try:
             hooks.__enter__()
