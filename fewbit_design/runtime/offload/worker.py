@@ -1,12 +1,17 @@
 """A background thread that runs I/O jobs in order and exits as soon as it has nothing to do.
 
 Jobs hold no reference to the offload session, so a session is freed (and its file closed) as soon as autograd
-drops its graph, whatever is queued. The thread starts on the first job and ends when the queue has stayed empty
-for ``LINGER_SECONDS`` (waiting on a C lock: no CPU): a step's transfers come in bursts (one per saved tensor,
-tens of milliseconds apart), and a thread ended at each empty queue was started again for most jobs (75 starts
-per step of a 6-block GPT-2, about 1.8 ms each on the loaded 2-core machine: a third of offload's step-time cost).
-Shortly after the last transfer, no thread runs. :meth:`Worker.close` wakes a waiting thread, which ends at once.
-Pure Python (no torch).
+drops its graph, whatever is queued. The thread starts on the first job and ends when the queue is empty: when no
+transfer is in flight, no thread runs. Pure Python (no torch).
+
+Why a thread per burst and not one that waits for the next job (issue 26, measured on the loaded 2-core machine, a
+4-block GPT-2 of width 64, batch 2 x 512, offload on every block, 31 interleaved rounds): a step starts about 12
+threads per block (the queue empties between saved tensors), and a thread that instead waited on a lock for 0.25 s
+removed those starts (the training thread's CPU time fell from 1.24x to 1.15x eager's) but made the step slower
+(median 1.28x eager's against 1.17x): ``Thread.start`` blocks the training thread until the new thread runs, so
+the write begins at once, while a woken thread waits for the scheduler behind the training thread on a busy CPU,
+and forward then waits for the write (at most ``depth`` in flight). On a machine with an idle core the two should
+be alike; re-measure there before changing this.
 
 Interrupts. A ``KeyboardInterrupt`` is raised in the main thread after any call returns, also inside the Python
 code of ``threading`` (``Thread.start``, ``Event.wait``, ``Condition.wait``), where it can leave a lock held
@@ -28,12 +33,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Job", "Worker", "THREAD_PREFIX", "LINGER_SECONDS", "start_thread"]
+__all__ = ["Job", "Worker", "THREAD_PREFIX", "start_thread"]
 
 THREAD_PREFIX = "fewbit-offload"
 _names = itertools.count()
 _POLL_SECONDS = 0.0005  # Worker.close waits for a running job (a transfer of at most 1 GiB) in steps of this
-LINGER_SECONDS = 0.25  # an idle thread waits this long for the next job before it ends
 
 
 def start_thread(thread: threading.Thread) -> None:
@@ -118,9 +122,6 @@ class Worker:
         self._starting = False  # a thread was started and has not counted itself in yet
         self._running = 0  # jobs taken from the queue and not finished
         self._closed = False
-        self._idle = False  # the thread waits on ``_wake`` for a job (set and cleared under ``_lock``)
-        self._wake = _thread.allocate_lock()
-        self._wake.acquire()  # released once per wake-up of an idle thread (by submit or close)
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -131,9 +132,6 @@ class Worker:
             start = self._loops == 0 and not self._starting
             if start:
                 self._starting = True
-            elif self._idle:  # the thread waits for work: wake it
-                self._idle = False
-                self._wake.release()
         if start:
             self._start()
         return job
@@ -155,27 +153,13 @@ class Worker:
         with self._lock:
             self._starting = False
             self._loops += 1
-        lingered = False
         while True:
             with self._lock:
                 if not self._queue:
-                    if lingered or self._closed:
-                        self._loops -= 1
-                        return
-                    self._idle = True
-                    job = None
-                else:
-                    job = self._queue.popleft()
-                    self._running += 1
-            if job is None:
-                woken = self._wake.acquire(timeout=LINGER_SECONDS)
-                with self._lock:
-                    if not woken and not self._idle:  # woken just after the timeout: take that release back
-                        self._wake.acquire()
-                    lingered = self._idle  # nobody woke it: end unless a job came meanwhile
-                    self._idle = False
-                continue
-            lingered = False
+                    self._loops -= 1
+                    return
+                job = self._queue.popleft()
+                self._running += 1
             try:
                 job.run()
             finally:
@@ -188,9 +172,6 @@ class Worker:
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
-            if self._idle:  # a waiting thread ends now
-                self._idle = False
-                self._wake.release()
         for job in queued:
             job.cancel(error)
         while True:
