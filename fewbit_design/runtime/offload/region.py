@@ -54,7 +54,7 @@ class _Options:
             raise FewBitError("offload target 'cuda-host' needs CUDA, but torch.cuda.is_available() is False")
 
     def __getstate__(self) -> dict[str, Any]:  # (pickled with an offloaded model: the buffers are not kept)
-        return {k: v for k, v in self.__dict__.items() if k != "staging"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("staging", "unpack_order")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -89,7 +89,8 @@ class _Options:
                 target.close()
 
     def session(self, exclude: frozenset[int] = frozenset()) -> Session:
-        return Session(
+        """The next step's session; it prefetches in the order the previous step's backward unpacked."""
+        session = Session(
             self.make_target,
             min_bytes=self.min_bytes,
             depth=self.prefetch,
@@ -97,7 +98,10 @@ class _Options:
             exclude=exclude,
             pack_bytes=self.pack_bytes,
             staging=self.staging,
+            order_hint=self.__dict__.get("unpack_order"),
         )
+        self.unpack_order = session.unpack_order  # (the list it fills in backward)
+        return session
 
 
 def _never_compiled(hook: Any) -> Any:
