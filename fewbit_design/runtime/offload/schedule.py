@@ -10,7 +10,8 @@ Terms used by the whole package:
   that the last copy touching a buffer has finished (a CUDA event; in tests, any object).
 
 Backward unpacks saved tensors roughly in reverse packing order, so when position ``p`` is unpacked the next ones
-needed are ``p - 1, p - 2, ...``: those are prefetched. These functions decide which, and when a buffer may be
+needed are ``p - 1, p - 2, ...``: those are prefetched in a first step; later steps follow the order the previous
+step unpacked (:func:`upcoming_in_order`). These functions decide which, and when a buffer may be
 reused; the CUDA and disk targets only carry the decisions out.
 """
 

@@ -22,7 +22,9 @@ that its version counter did not move while it was being copied (autograd itself
 hooks are installed; with hooks it would silently use the modified data, so this raises instead).
 
 Backward (unpack): the tensor comes from memory while its write is in flight, else from a prefetched read, else
-from a synchronous read; then the ``depth`` records below it are prefetched (:mod:`.schedule`). A tensor saved
+from a synchronous read; then the ``depth`` records that the previous step's backward unpacked next are
+prefetched (the options keep each step's first-unpack order), or, in a first step or one of another structure,
+the ``depth`` records below it (:mod:`.schedule`). A tensor saved
 by several nodes (a ReLU output that the next Linear saves too) is one record, read once per backward pass.
 
 Small tensors (``min_bytes <= size < pack_bytes``) are **packed**: instead of a transfer each (whose fixed cost,
