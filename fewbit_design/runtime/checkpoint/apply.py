@@ -203,8 +203,42 @@ class CheckpointedForward:
         original = functools.partial(type(module).forward, module)
         if not _checkpointing(module):
             return original(*args, **kwargs)
-        options = _checkpoint_options([module], self.selective)
-        return checkpoint(original, *args, use_reentrant=False, **options, **kwargs)
+        run = functools.partial(checkpoint, use_reentrant=False, **_checkpoint_options([module], self.selective))
+        if _is_hf_checkpointing_layer(module):
+            with _hf_checkpointing(module, run):  # HF's wrapper (the class's forward) calls ``run``
+                return original(*args, **kwargs)
+        return run(original, *args, **kwargs)
+
+
+def _is_hf_checkpointing_layer(module: torch.nn.Module) -> bool:
+    """A Hugging Face ``GradientCheckpointingLayer`` (without importing transformers): its class forward checkpoints
+    through ``self._gradient_checkpointing_func`` when ``self.gradient_checkpointing`` is set."""
+    return hasattr(type(module), "_can_checkpoint_with_cache") and hasattr(type(module), "gradient_checkpointing")
+
+
+@contextlib.contextmanager
+def _hf_checkpointing(module: torch.nn.Module, run: Callable[..., Any]) -> Iterator[None]:
+    """Checkpoint a Hugging Face layer through its own mechanism for the duration of one call.
+
+    A layer that writes a cache in forward (T5's and Whisper's decoder blocks with ``use_cache``: the key/value
+    cache, and cross-attention's ``is_updated`` flag) must not write it when recomputed: the recomputation would
+    read the keys the first pass stored instead of computing them (T5's decoder block 0 saved 57 tensors in forward
+    and 53 when recomputed: ``CheckpointError``). HF's ``GradientCheckpointingLayer`` knows which arguments those
+    are for each layer (``use_cache``, ``cache``, ``layer_past``, unless the layer only reads its cache): with its
+    flag set for the call, its forward drops them and checkpoints through ``run``, as ``gradient_checkpointing_enable``
+    would."""
+    had = {name: module.__dict__[name] for name in ("gradient_checkpointing", "_gradient_checkpointing_func")
+           if name in module.__dict__}  # fmt: skip
+    module.gradient_checkpointing = True
+    module._gradient_checkpointing_func = run
+    try:
+        yield
+    finally:
+        for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+            if name in had:
+                module.__dict__[name] = had[name]
+            else:
+                module.__dict__.pop(name, None)
 
 
 def remove(blocks: torch.nn.ModuleList | CheckpointedSequential) -> torch.nn.Module:

@@ -8,6 +8,7 @@ the targets and what stays in place.
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -53,7 +54,7 @@ class _Options:
             raise FewBitError("offload target 'cuda-host' needs CUDA, but torch.cuda.is_available() is False")
 
     def __getstate__(self) -> dict[str, Any]:  # (pickled with an offloaded model: the buffers are not kept)
-        return {k: v for k, v in self.__dict__.items() if k != "staging"}
+        return {k: v for k, v in self.__dict__.items() if k not in ("staging", "unpack_order")}
 
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
@@ -88,7 +89,8 @@ class _Options:
                 target.close()
 
     def session(self, exclude: frozenset[int] = frozenset()) -> Session:
-        return Session(
+        """The next step's session; it prefetches in the order the previous step's backward unpacked."""
+        session = Session(
             self.make_target,
             min_bytes=self.min_bytes,
             depth=self.prefetch,
@@ -96,7 +98,24 @@ class _Options:
             exclude=exclude,
             pack_bytes=self.pack_bytes,
             staging=self.staging,
+            order_hint=self.__dict__.get("unpack_order"),
         )
+        self.unpack_order = session.unpack_order  # (the list it fills in backward)
+        return session
+
+
+def _never_compiled(hook: Any) -> Any:
+    """``hook`` as a function that ``torch.compile`` never traces.
+
+    Autograd calls the pack hook from whatever frame saves a tensor. Where ``torch.compile`` runs a model's code
+    eagerly after a graph break (an offloaded block's forward always breaks: the region's ``with`` is Python
+    state), its frame callback also catches the hook's own frame and dynamo compiles ``Session.pack`` as a
+    graph: I/O, weak references and storage addresses guarded and re-traced per shape, and for some saved tensors
+    (the memory-sharing norm's outputs) a graph that fails to compile (``tensor._base`` traced as a tensor, None
+    when run: ``BackendCompilerFailed``). The hooks are plain Python by design; dynamo is only imported where
+    something already compiles (so ``import fewbit_design.runtime`` stays lean)."""
+    dynamo = sys.modules.get("torch._dynamo")
+    return hook if dynamo is None else dynamo.disable(hook)
 
 
 def _top_hooks() -> tuple[Any, Any] | None:
@@ -128,7 +147,7 @@ class _Region:
             assert self._options is not None, "a region has a session or the options to make one"
             self._session = self._options.session()
         session = self._session
-        hooks = torch.autograd.graph.saved_tensors_hooks(session.pack, session.unpack)
+        hooks = torch.autograd.graph.saved_tensors_hooks(_never_compiled(session.pack), _never_compiled(session.unpack))
         push_stats(session.stats)
         try:
             hooks.__enter__()

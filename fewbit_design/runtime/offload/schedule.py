@@ -10,7 +10,8 @@ Terms used by the whole package:
   that the last copy touching a buffer has finished (a CUDA event; in tests, any object).
 
 Backward unpacks saved tensors roughly in reverse packing order, so when position ``p`` is unpacked the next ones
-needed are ``p - 1, p - 2, ...``: those are prefetched. These functions decide which, and when a buffer may be
+needed are ``p - 1, p - 2, ...``: those are prefetched in a first step; later steps follow the order the previous
+step unpacked (:func:`upcoming_in_order`). These functions decide which, and when a buffer may be
 reused; the CUDA and disk targets only carry the decisions out.
 """
 
@@ -20,7 +21,15 @@ from collections.abc import Callable, Collection, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["prefetch_candidates", "stale_positions", "size_class", "write_backlog", "BufferPool", "Lease"]
+__all__ = [
+    "prefetch_candidates",
+    "stale_positions",
+    "upcoming_in_order",
+    "size_class",
+    "write_backlog",
+    "BufferPool",
+    "Lease",
+]
 
 _MIN_CLASS = 1 << 12  # 4 KiB: the smallest buffer (a page)
 _STEPS_PER_OCTAVE = 4  # size classes 1, 1.25, 1.5, 1.75 x 2^k: at most 25% (typically < 12.5%) rounding waste
@@ -51,6 +60,34 @@ def stale_positions(current: int, resident: Iterable[int], depth: int) -> list[i
     [9]
     """
     return sorted(p for p in resident if p > current + max(depth, 1))
+
+
+def upcoming_in_order(
+    current: int, order: list[int], index: dict[int, int], alive: Collection[int], depth: int
+) -> list[int] | None:
+    """The ``depth`` alive positions that the previous step unpacked right after ``current`` (``order``: its
+    positions in first-unpack order, ``index``: position -> place in ``order``), nearest first; None when
+    ``current`` is not in that order (another structure: the caller falls back to :func:`prefetch_candidates`).
+
+    Backward does not unpack in exact reverse packing order: a node unpacks all its saved tensors at once, in the
+    order it saved them (attention's query, key, value), so the window below ``current`` misses them and they are
+    read synchronously. A training step repeats the same graph, so the previous step's order predicts this one's.
+
+    >>> upcoming_in_order(17, [21, 17, 13, 14, 15, 12], {21: 0, 17: 1, 13: 2, 14: 3, 15: 4, 12: 5}, range(30), 2)
+    [13, 14]
+    >>> upcoming_in_order(16, [21, 17], {21: 0, 17: 1}, range(30), 2) is None
+    True
+    """
+    place = index.get(current)
+    if place is None:
+        return None
+    window = []
+    for position in order[place + 1 :]:
+        if len(window) >= depth:
+            break
+        if position in alive:
+            window.append(position)
+    return window
 
 
 def write_backlog(pending: int, depth: int) -> int:

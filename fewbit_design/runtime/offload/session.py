@@ -22,7 +22,9 @@ that its version counter did not move while it was being copied (autograd itself
 hooks are installed; with hooks it would silently use the modified data, so this raises instead).
 
 Backward (unpack): the tensor comes from memory while its write is in flight, else from a prefetched read, else
-from a synchronous read; then the ``depth`` records below it are prefetched (:mod:`.schedule`). A tensor saved
+from a synchronous read; then the ``depth`` records that the previous step's backward unpacked next are
+prefetched (the options keep each step's first-unpack order), or, in a first step or one of another structure,
+the ``depth`` records below it (:mod:`.schedule`). A tensor saved
 by several nodes (a ReLU output that the next Linear saves too) is one record, read once per backward pass.
 
 Small tensors (``min_bytes <= size < pack_bytes``) are **packed**: instead of a transfer each (whose fixed cost,
@@ -277,6 +279,7 @@ class Session:
         exclude: frozenset[int] = frozenset(),
         pack_bytes: int = 0,
         staging: Staging | None = None,
+        order_hint: list[int] | None = None,
     ) -> None:
         close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
@@ -300,6 +303,11 @@ class Session:
         self._count = 0
         self._seen: dict[tuple, tuple[weakref.ref, weakref.ref]] = {}
         self._inflight: deque[_Record] = deque()
+        # prefetch order: the previous step's first-unpack order of positions (see schedule.upcoming_in_order)
+        self.unpack_order: list[int] = []  # this step's, the next step's hint
+        self._unpacked: set[int] = set()
+        self._hint = list(order_hint or ())
+        self._hint_index = {position: place for place, position in enumerate(self._hint)}
         for device in probe:
             self._target_for(device)
 
@@ -591,14 +599,27 @@ class Session:
         return job.result
 
     def _prefetch(self, current: int) -> None:
+        if current not in self._unpacked:
+            self._unpacked.add(current)
+            self.unpack_order.append(current)
         if self.depth <= 0:
             return
         records = self._alive_records()
+        upcoming = schedule.upcoming_in_order(current, self._hint, self._hint_index, records, self.depth)
         fetching = [p for p, r in records.items() if r.fetch is not None]
-        for position in schedule.stale_positions(current, fetching, self.depth):
+        if upcoming is None:
+            stale = schedule.stale_positions(current, fetching, self.depth)
+        else:  # (unpacked before ``current`` in the previous step: passed; those still to come are kept)
+            place = self._hint_index[current]
+            stale = [p for p in fetching if self._hint_index.get(p, -1) < place and p not in upcoming]
+        for position in stale:
             records[position].fetch = None
         resident = {p for p, r in records.items() if r.fetch is not None or r.kept is not None or r.write is not None}
-        for position in schedule.prefetch_candidates(current, records.keys(), resident, self.depth):
+        if upcoming is not None:
+            candidates = [p for p in upcoming if p not in resident]
+        else:
+            candidates = schedule.prefetch_candidates(current, records.keys(), resident, self.depth)
+        for position in candidates:
             record = records[position]
             if record.poisoned is None:
                 record.fetch = record.target.read(record.location, record.layout.nbytes, sync=False)

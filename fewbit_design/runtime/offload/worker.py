@@ -4,6 +4,15 @@ Jobs hold no reference to the offload session, so a session is freed (and its fi
 drops its graph, whatever is queued. The thread starts on the first job and ends when the queue is empty: when no
 transfer is in flight, no thread runs. Pure Python (no torch).
 
+Why a thread per burst and not one that waits for the next job (issue 26, measured on the loaded 2-core machine, a
+4-block GPT-2 of width 64, batch 2 x 512, offload on every block, 31 interleaved rounds): a step starts about 12
+threads per block (the queue empties between saved tensors), and a thread that instead waited on a lock for 0.25 s
+removed those starts (the training thread's CPU time fell from 1.24x to 1.15x eager's) but made the step slower
+(median 1.28x eager's against 1.17x): ``Thread.start`` blocks the training thread until the new thread runs, so
+the write begins at once, while a woken thread waits for the scheduler behind the training thread on a busy CPU,
+and forward then waits for the write (at most ``depth`` in flight). On a machine with an idle core the two should
+be alike; re-measure there before changing this.
+
 Interrupts. A ``KeyboardInterrupt`` is raised in the main thread after any call returns, also inside the Python
 code of ``threading`` (``Thread.start``, ``Event.wait``, ``Condition.wait``), where it can leave a lock held
 forever: a new thread then blocks for good on its ``started`` event, or a worker on a job's ``done`` event, and the

@@ -13,6 +13,7 @@ import torch
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import checkpoint, memory
 from fewbit_design.runtime.checkpoint import BlockProfile, Profile, Segment, parse_budget, predict
+from fewbit_design.runtime.checkpoint.apply import CheckpointedForward
 
 WIDTH, BATCH = 32, 256
 
@@ -454,3 +455,34 @@ def test_bad_inputs_are_one_error():
         checkpoint.plan(random_profile(3, random.Random(0)), strategy="sqrtn")
     with pytest.raises(FewBitError, match="cover blocks"):
         predict(random_profile(3, random.Random(0)), [Segment(0, 2, True)])
+
+
+def test_t5_decoder_blocks_with_their_cache_on_checkpoint_with_exact_gradients(one_torch_thread):
+    """Regression: T5's decoder blocks write the key/value cache (``use_cache`` is on by default); recomputed, block 0
+    read the keys its first pass had stored (57 tensors saved in forward, 53 in recomputation: ``CheckpointError``).
+    Hugging Face layers are checkpointed through their own mechanism, which leaves the cache out of a checkpointed
+    call; the flag it reads is set for the call only."""
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed")
+    config = transformers.T5Config(
+        vocab_size=64, d_model=32, d_kv=16, d_ff=64, num_layers=2, num_decoder_layers=2, num_heads=2,
+        decoder_start_token_id=0,
+    )  # fmt: skip
+    assert config.use_cache and config.dropout_rate > 0  # the defaults: the cache written, dropout masks replayed
+    torch.manual_seed(0)
+    plain = transformers.T5ForConditionalGeneration(config).train()
+    model = copy.deepcopy(plain)
+    blocks = [*model.encoder.block, *model.decoder.block]
+    for block in blocks:
+        block.forward = CheckpointedForward(block, selective=False)
+    ids = torch.randint(0, 64, (2, 12), generator=torch.Generator().manual_seed(1))
+
+    def gradients(net):
+        torch.manual_seed(2)
+        net(ids, labels=ids).loss.backward()
+        return [p.grad for p in net.parameters()]
+
+    for got, want in zip(gradients(model), gradients(plain), strict=True):
+        assert torch.equal(got, want)
+    assert not any(
+        {"gradient_checkpointing", "_gradient_checkpointing_func"} & block.__dict__.keys() for block in blocks
+    )

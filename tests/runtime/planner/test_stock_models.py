@@ -66,17 +66,7 @@ def _build(family: str):
     raise AssertionError(family)
 
 
-T5_CHECKPOINT = pytest.mark.xfail(
-    raises=torch.utils.checkpoint.CheckpointError,
-    strict=True,
-    reason="open bug: T5's decoder.block 0 under checkpoint saves 57 tensors in forward and 53 in recomputation "
-    "(with use_cache=False too); plan_memory chooses it, the training step's backward fails",
-)
-
-
-@pytest.mark.parametrize(
-    "family", [*DECODERS, "bert", pytest.param("t5", marks=T5_CHECKPOINT), "vit", "whisper", "clip"]
-)
+@pytest.mark.parametrize("family", [*DECODERS, "bert", "t5", "vit", "whisper", "clip"])
 def test_stock_config_plans_and_applies(family):
     model, inputs, kwargs = _build(family)
     model.train()
