@@ -12,7 +12,9 @@ Techniques, in registry order (:data:`fewbit_design.runtime.registry.REGISTRY`),
   ``only_if_smaller``, ``strict`` keep their meaning; approximate activation gradients);
 * ``compress=K`` (default None, off): ``nn.Linear`` / ``Conv1D`` keep K-bit group codes of their input
   (:mod:`.linear.convert`; approximate weight gradients), and the gated MLPs run the gated op's compressed mode
-  (K-bit codes of x, act(gate) and up, few-bit codes of act'(gate); approximate gradients).
+  (K-bit codes of x, act(gate) and up, few-bit codes of act'(gate); approximate gradients), and the Hugging Face
+  SDPA attention cores keep K-bit codes of q, k and v and recompute the attention in backward (:mod:`.attention`;
+  exact forward, approximate gradients).
 
 Never more memory: with a probe (``example_inputs``, or for a Hugging Face ``PreTrainedModel`` inputs built from its
 config, caches off while probing) the bytes saved for backward by one training step are measured before and after
@@ -65,13 +67,18 @@ REPORT_MESSAGE = (
 )
 
 #: the switch of each technique convert applies, by registry name
-SWITCHES = {"norms": "norms", "gated": "gated", "fewbit": "activations", "linear": "compress"}
+SWITCHES = {"norms": "norms", "gated": "gated", "attention": "compress", "fewbit": "activations", "linear": "compress"}
 #: which gradients each technique makes approximate (None: exact up to rounding)
-APPROXIMATE = {"fewbit": "activation gradients (few-bit tables)", "linear": "weight gradients of compressed linears"}
+APPROXIMATE = {
+    "attention": "gradients through compressed attention cores (K-bit q, k, v)",
+    "fewbit": "activation gradients (few-bit tables)",
+    "linear": "weight gradients of compressed linears",
+}
 #: the report attribute each technique's converter sets
 REPORT_ATTRIBUTES = {
     "norms": "norms_report",
     "gated": "gated_report",
+    "attention": "attention_report",
     "fewbit": "fewbit_report",
     "linear": "linear_report",
 }
@@ -404,6 +411,10 @@ def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> tor
         if options["compress"] is None:
             return gated_convert(model)
         return gated_convert(model, mode="compressed", bits=options["compress"])
+    if name == "attention":
+        from .attention.convert import convert as attention_convert
+
+        return attention_convert(model, bits=options["compress"])
     if name == "fewbit":
         from .fewbit.convert import convert as fewbit_convert
 
@@ -461,7 +472,8 @@ def convert(
             bytes saved for backward. A Hugging Face model gets a probe built from its config when this is None.
         report: must stay False; read ``model.convert_report`` instead.
         compress: None (default) or 2..8: linear layers keep that many bits of their input (approximate weight
-            gradients) and gated MLPs run the gated op's compressed mode at that many bits.
+            gradients), gated MLPs run the gated op's compressed mode and Hugging Face SDPA attention cores keep
+            q, k and v, all at that many bits.
         norms, gated, activations: switch the default techniques off one by one (``norms=False``).
 
     Every argument is checked first; the conversion is all or nothing (an error leaves the model as it was). The
@@ -477,6 +489,7 @@ def convert(
         "norms": check_boolean("norms", norms),
         "gated": check_boolean("gated", gated),
         "fewbit": check_boolean("activations", activations),
+        "attention": compress is not None,
         "linear": compress is not None,
     }
     if compress is not None:
@@ -548,7 +561,7 @@ def _convert(
             entry = TechniqueReport(name, "off", approximate=approximate)
             result.techniques.append(entry)
             if not switches[name]:
-                entry.reason = f"switched off ({SWITCHES[name]}=" + ("None)" if name == "linear" else "False)")
+                entry.reason = f"switched off ({SWITCHES[name]}=" + ("None)" if SWITCHES[name] == "compress" else "False)")
                 continue
             attribute = REPORT_ATTRIBUTES[name]
             snapshot = _snapshot(current)
