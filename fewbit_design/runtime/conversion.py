@@ -561,7 +561,8 @@ def _convert(
             entry = TechniqueReport(name, "off", approximate=approximate)
             result.techniques.append(entry)
             if not switches[name]:
-                entry.reason = f"switched off ({SWITCHES[name]}=" + ("None)" if SWITCHES[name] == "compress" else "False)")
+                off = "None" if SWITCHES[name] == "compress" else "False"
+                entry.reason = f"switched off ({SWITCHES[name]}={off})"
                 continue
             attribute = REPORT_ATTRIBUTES[name]
             snapshot = _snapshot(current)

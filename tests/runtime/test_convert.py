@@ -165,17 +165,23 @@ def test_compress_8_lowers_the_bytes_further_on_gpt2():
     assert saved(compressed, compressed, inputs) < saved(default, default, inputs)
 
 
-def test_compress_8_on_llama_compresses_the_gated_mlps_and_leaves_shared_linear_inputs():
-    # every linear input of a converted LLaMA outside its MLPs is kept at full precision by another module (q/k/v
-    # and the head read a memory-sharing norm's output, o_proj the attention's saved output): compressing them
-    # would add codes, so convert leaves them, saying why; the MLPs' linears belong to the gated op, whose
-    # compressed mode compress=8 turns on
+def test_compress_8_on_llama_compresses_gated_mlps_attention_and_o_proj_and_leaves_shared_linear_inputs():
+    # q/k/v and the head read a memory-sharing norm's output, which it keeps at full precision: compressing them
+    # would add codes, so convert leaves them, saying why. The compressed attention core keeps codes of q, k, v, not
+    # its output, so o_proj's input is its own to compress (before the attention core, SDPA kept that output and
+    # o_proj was left too). The MLPs' linears belong to the gated op, whose compressed mode compress=8 turns on
     native, inputs = build("llama")
     default = runtime.convert(copy.deepcopy(native))
     compressed = runtime.convert(copy.deepcopy(native), compress=8)
+    assert compressed.convert_report.technique("attention").status == "applied"
     entry = compressed.convert_report.technique("linear")
-    assert entry.status == "nothing" and "its input is saved for backward by another module too" in str(entry)
-    assert not any(isinstance(m, runtime.CompressedLinear) for m in compressed.modules())
+    assert entry.status == "applied" and "its input is saved for backward by another module too" in str(entry)
+    assert {name for name, _ in entry.report.replaced} == {"model.layers.0.self_attn.o_proj"}
+    left = {name for name, _, _ in entry.report.skipped}
+    assert left == {f"model.layers.0.self_attn.{p}_proj" for p in "qkv"} | {"lm_head"}
+    assert [n for n, m in compressed.named_modules() if isinstance(m, runtime.CompressedLinear)] == [
+        "model.layers.0.self_attn.o_proj"
+    ]
     gated = [m for m in compressed.modules() if isinstance(m, runtime.GatedMLP)]
     assert gated and all(m.mode == "compressed" and m.bits == 8 for m in gated)
     assert "compressed mode, 8-bit" in compressed.convert_report.technique("gated").approximate

@@ -9,10 +9,10 @@ group, nearest rounding) and nothing else of size S x S or of the output:
 
 * forward: ``F.scaled_dot_product_attention`` with the caller's arguments (GQA by ``enable_gqa`` or by the same
   expand-and-reshape as Hugging Face's ``repeat_kv``): bitwise the native call;
-* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32): ``P = softmax(q~ k~^T scale +
-  mask)``, ``O~ = P v~``, ``dV = P^T g``, ``dP = g v~^T``, ``dS = P (dP - rowsum(g O~))``, ``dQ = dS k~ scale``,
-  ``dK = dS^T q~ scale``; key/value gradients summed over the query heads of each group. The scores exist only while
-  the backward runs. Rows whose every key is masked give zero gradients.
+* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32, float64 for float64):
+  ``P = softmax(q~ k~^T scale + mask)``, ``O~ = P v~``, ``dV = P^T g``, ``dP = g v~^T``, ``dS = P (dP - rowsum(g
+  O~))``, ``dQ = dS k~ scale``, ``dK = dS^T q~ scale``; key/value gradients summed over the query heads of each
+  group. The scores exist only while the backward runs. Rows whose every key is masked give zero gradients.
 
 Gradients are approximate (the decoded values are within half a step of the exact ones): the error falls with K
 (tests/runtime/attention/test_attention_op.py measures it per K against native).
@@ -68,8 +68,9 @@ def attention_backward_reference(
     scale: float | None,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``(dq, dk, dv)`` of SDPA at (q, k, v) for the output gradient ``grad`` (float32 arithmetic, results in q's
-    dtype); k and v may have fewer heads than q (GQA: their gradients are summed over each group's query heads).
+    """``(dq, dk, dv)`` of SDPA at (q, k, v) for the output gradient ``grad`` (float32 arithmetic, float64 for
+    float64 inputs; results in the inputs' dtypes); k and v may have fewer heads than q (GQA: their gradients are
+    summed over each group's query heads).
 
     Args:
         grad: gradient of the output, (B, H, S, D)
@@ -81,17 +82,18 @@ def attention_backward_reference(
         is_causal: upper-left causal mask (as SDPA)
     """
     dtype = q.dtype
+    compute = torch.promote_types(dtype, torch.float32)  # float32, float64 for float64 inputs
     heads, kv_heads = q.shape[1], k.shape[1]
     repeat = heads // kv_heads
-    q32, g32 = q.to(torch.float32), grad.to(torch.float32)
-    k32, v32 = _repeat(k.to(torch.float32), repeat), _repeat(v.to(torch.float32), repeat)
+    q32, g32 = q.to(compute), grad.to(compute)
+    k32, v32 = _repeat(k.to(compute), repeat), _repeat(v.to(compute), repeat)
     factor = scale if scale is not None else q.shape[-1] ** -0.5
     scores = torch.matmul(q32, k32.transpose(-2, -1)) * factor
     if is_causal:
         causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~causal, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.float()
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(compute)
     # a row with every key masked has no distribution: zero probabilities, so zero gradients
     probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)
     output = torch.matmul(probabilities, v32)
