@@ -12,7 +12,8 @@ Recognition is by structure: a module whose ``forward`` reads ``ALL_ATTENTION_FU
 :data:`IMPLEMENTATION`, and whose ``fewbit_attention`` attribute holds the options. The model's own config is not
 changed, so removing the replacement (``runtime.convert`` restores the original modules when a technique does not pay
 off, or on error) restores the model exactly. Attention modules with another implementation (``"eager"``: its
-softmax is not SDPA's, so the forward would not be bitwise the model's) are left alone with the reason in the report.
+softmax is not SDPA's, so the forward would not be bitwise the model's), and those with attention dropout (which
+the compressed core does not do), are left alone with the reason in the report.
 
 Calls the compressed op does not cover go to transformers' own ``sdpa`` function unchanged: dropout in training,
 ``position_bias``, ``softcap``, attention outputs, and key/value lengths other than the query's (caches).
@@ -165,6 +166,16 @@ def _attention_core(module: torch.nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None) or "none"
 
 
+def _dropout(module: torch.nn.Module) -> float:
+    """The attention dropout probability a Hugging Face attention module passes in training (LLaMA-style
+    ``attention_dropout``, GPT-2's ``attn_dropout`` module)."""
+    probability = getattr(module, "attention_dropout", 0.0)
+    if isinstance(probability, torch.nn.Module):
+        probability = getattr(probability, "p", 0.0)
+    layer = getattr(module, "attn_dropout", None)
+    return max(float(probability or 0.0), float(getattr(layer, "p", 0.0) or 0.0))
+
+
 def convert(
     model: torch.nn.Module,
     bits: int = 8,
@@ -202,6 +213,15 @@ def convert(
                     kind,
                     f"attention implementation {implementation!r}: the compressed core stands in for 'sdpa' only "
                     "(load the model with attn_implementation='sdpa')",
+                )
+            )
+        elif implementation == "sdpa" and _dropout(module) > 0.0:
+            report.skipped.append(
+                (
+                    name,
+                    kind,
+                    f"attention dropout {_dropout(module)}: in training it would run native SDPA (the compressed "
+                    "core has no dropout)",
                 )
             )
         elif implementation == "sdpa" and (filter is None or filter(name, module)):

@@ -137,3 +137,12 @@ def test_compress_8_block_against_compiled_native(family, bound):
         kwargs = {"position_embeddings": rotary, "attention_mask": None}
     counts = {name: _compiled_block_bytes(m, family, x, kwargs) for name, m in (("native", native), ("8", compressed))}
     assert counts["8"] <= bound * counts["native"], counts
+
+
+def test_attention_dropout_is_left_with_the_reason():
+    """GPT-2's default attn_pdrop is 0.1: in training the call would go to native SDPA, so nothing would be saved."""
+    model = build("gpt2")
+    model.transformer.h[0].attn.attn_dropout.p = 0.1
+    convert(model)
+    report = model.attention_report
+    assert not report.replaced and "attention dropout 0.1" in str(report), str(report)
