@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import FewBitError, check_choice
+from ...errors import FewBitError, check_bits, check_choice
 from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, memory_sharing_norm
 
 __all__ = ["MemorySharingNorm"]
@@ -23,6 +23,8 @@ class MemorySharingNorm(torch.nn.Module):
         weight: the original module's weight (shared, not copied), or None.
         bias: the original module's bias (shared, not copied), or None.
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
+        bits: None (exact), or 2..8: compressed mode, the output kept as that many bits of group codes (shared
+            with the compressed linear layers reading it; approximate gradients).
 
     >>> norm = MemorySharingNorm((8,), kind="rms_norm", eps=1e-6, weight=torch.nn.Parameter(torch.ones(8)))
     >>> norm(torch.randn(2, 8)).shape
@@ -38,6 +40,7 @@ class MemorySharingNorm(torch.nn.Module):
         weight: torch.nn.Parameter | None = None,
         bias: torch.nn.Parameter | None = None,
         threshold: float = DEFAULT_THRESHOLD,
+        bits: int | None = None,
     ) -> None:
         super().__init__()
         self.kind = check_choice("norm kind", kind, KINDS)
@@ -46,6 +49,7 @@ class MemorySharingNorm(torch.nn.Module):
         self.threshold = float(threshold)
         self.weight = weight
         self.bias = bias
+        self.bits = None if bits is None else check_bits(bits, low=2, high=8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ndim = len(self.normalized_shape)
@@ -57,8 +61,16 @@ class MemorySharingNorm(torch.nn.Module):
         # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
         eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
         return memory_sharing_norm(
-            x, self.weight, self.bias, kind=self.kind, normalized_ndim=ndim, eps=eps, threshold=self.threshold
+            x,
+            self.weight,
+            self.bias,
+            kind=self.kind,
+            normalized_ndim=ndim,
+            eps=eps,
+            threshold=self.threshold,
+            bits=getattr(self, "bits", None),
         )
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"
+        text = f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"
+        return text if getattr(self, "bits", None) is None else f"{text}, bits={self.bits}"
