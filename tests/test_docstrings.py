@@ -29,6 +29,7 @@ PUBLIC_MODULES = [
     "fewbit_design.runtime.hf",
     "fewbit_design.runtime.norms",
     "fewbit_design.runtime.gated",
+    "fewbit_design.runtime.attention",
     "fewbit_design.runtime.linear",
     "fewbit_design.runtime.head",
     "fewbit_design.runtime.blpa",

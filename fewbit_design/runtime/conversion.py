@@ -10,9 +10,13 @@ Techniques, in registry order (:data:`fewbit_design.runtime.registry.REGISTRY`),
 * ``activations`` (default on): the activation modules left keep b-bit codes of their derivative
   (:mod:`.fewbit.convert`, whose keywords ``bits``, ``weight``, ``mode``, ``filter``, ``tables``,
   ``only_if_smaller``, ``strict`` keep their meaning; approximate activation gradients);
-* ``compress=K`` (default None, off): ``nn.Linear`` / ``Conv1D`` keep K-bit group codes of their input
+* ``compress=K`` (default None, off): the norms keep K-bit group codes of their output instead of the output (shared
+  with the compressed linears that read it: one set of codes for a norm and q, k, v in eager; approximate
+  gradients), ``nn.Linear`` / ``Conv1D`` keep K-bit group codes of their input
   (:mod:`.linear.convert`; approximate weight gradients), and the gated MLPs run the gated op's compressed mode
-  (K-bit codes of x, act(gate) and up, few-bit codes of act'(gate); approximate gradients).
+  (K-bit codes of x, act(gate) and up, few-bit codes of act'(gate); approximate gradients), and the Hugging Face
+  SDPA attention cores keep K-bit codes of q, k and v and recompute the attention in backward (:mod:`.attention`;
+  exact forward, approximate gradients).
 
 Never more memory: with a probe (``example_inputs``, or for a Hugging Face ``PreTrainedModel`` inputs built from its
 config, caches off while probing) the bytes saved for backward by one training step are measured before and after
@@ -65,13 +69,18 @@ REPORT_MESSAGE = (
 )
 
 #: the switch of each technique convert applies, by registry name
-SWITCHES = {"norms": "norms", "gated": "gated", "fewbit": "activations", "linear": "compress"}
+SWITCHES = {"norms": "norms", "gated": "gated", "attention": "compress", "fewbit": "activations", "linear": "compress"}
 #: which gradients each technique makes approximate (None: exact up to rounding)
-APPROXIMATE = {"fewbit": "activation gradients (few-bit tables)", "linear": "weight gradients of compressed linears"}
+APPROXIMATE = {
+    "attention": "gradients through compressed attention cores (K-bit q, k, v)",
+    "fewbit": "activation gradients (few-bit tables)",
+    "linear": "weight gradients of compressed linears",
+}
 #: the report attribute each technique's converter sets
 REPORT_ATTRIBUTES = {
     "norms": "norms_report",
     "gated": "gated_report",
+    "attention": "attention_report",
     "fewbit": "fewbit_report",
     "linear": "linear_report",
 }
@@ -367,16 +376,23 @@ SHARED_INPUT_REASON = (
 
 
 def _shared_inputs(model: torch.nn.Module, probe: Any) -> dict[int, tuple[str, torch.nn.Module]]:
-    """The linear layers (by id: (name, module)) whose saved input another module saves too (one forward on the
-    probe, :attr:`memory.SavedBytes.exclusive_by_module`): compressing them frees nothing."""
+    """The linear layers (by id: (name, module)) whose saved input a module other than the linear layers saves too
+    (one forward on the probe, :meth:`memory.SavedBytes.savers`): compressing them frees nothing. Linear layers that
+    share an input among themselves alone (q, k and v after a norm in compressed mode) are not listed: converted,
+    they keep one set of codes (:func:`.linear.ops.share_codes`) instead of the input."""
     linears = {name: module for name, module in model.named_modules() if isinstance(module, torch.nn.Linear)}
     transformers_utils = sys.modules.get("transformers.pytorch_utils")
     conv1d = getattr(transformers_utils, "Conv1D", None)
     if conv1d is not None:
         linears.update({name: module for name, module in model.named_modules() if type(module) is conv1d})
-    ran: set[str] = set()
+    inputs: dict[str, torch.Tensor] = {}
+
+    def record(_module, arguments, name):
+        if arguments and isinstance(arguments[0], torch.Tensor):
+            inputs.setdefault(name, arguments[0])
+
     handles = [
-        module.register_forward_pre_hook(lambda *_, name=name: ran.add(name)) for name, module in linears.items()
+        module.register_forward_pre_hook(lambda m, a, name=name: record(m, a, name)) for name, module in linears.items()
     ]
     try:
         with _no_side_effects(model), _example_errors(), torch.enable_grad():
@@ -385,11 +401,12 @@ def _shared_inputs(model: torch.nn.Module, probe: Any) -> dict[int, tuple[str, t
     finally:
         for handle in handles:
             handle.remove()
-    return {
-        id(module): (name, module)
-        for name, module in linears.items()
-        if name in ran and not saved.exclusive_by_module.get(name, 0)
-    }
+    shared = {}
+    for name, x in inputs.items():
+        savers = saved.savers(x)
+        if not savers or savers - linears.keys():
+            shared[id(linears[name])] = (name, linears[name])
+    return shared
 
 
 def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> torch.nn.Module:
@@ -397,13 +414,17 @@ def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> tor
     if name == "norms":
         from .norms.convert import convert as norms_convert
 
-        return norms_convert(model)
+        return norms_convert(model, bits=options["compress"])
     if name == "gated":
         from .gated.convert import convert as gated_convert
 
         if options["compress"] is None:
             return gated_convert(model)
         return gated_convert(model, mode="compressed", bits=options["compress"])
+    if name == "attention":
+        from .attention.convert import convert as attention_convert
+
+        return attention_convert(model, bits=options["compress"])
     if name == "fewbit":
         from .fewbit.convert import convert as fewbit_convert
 
@@ -461,7 +482,8 @@ def convert(
             bytes saved for backward. A Hugging Face model gets a probe built from its config when this is None.
         report: must stay False; read ``model.convert_report`` instead.
         compress: None (default) or 2..8: linear layers keep that many bits of their input (approximate weight
-            gradients) and gated MLPs run the gated op's compressed mode at that many bits.
+            gradients), norms keep codes of their output, gated MLPs run the gated op's compressed mode and Hugging
+            Face SDPA attention cores keep q, k and v, all at that many bits.
         norms, gated, activations: switch the default techniques off one by one (``norms=False``).
 
     Every argument is checked first; the conversion is all or nothing (an error leaves the model as it was). The
@@ -477,6 +499,7 @@ def convert(
         "norms": check_boolean("norms", norms),
         "gated": check_boolean("gated", gated),
         "fewbit": check_boolean("activations", activations),
+        "attention": compress is not None,
         "linear": compress is not None,
     }
     if compress is not None:
@@ -545,10 +568,13 @@ def _convert(
             approximate = APPROXIMATE.get(name)
             if name == "gated" and options["compress"] is not None:
                 approximate = f"gradients of gated MLPs (compressed mode, {options['compress']}-bit values)"
+            if name == "norms" and options["compress"] is not None:
+                approximate = f"gradients of norms (compressed mode, {options['compress']}-bit output codes)"
             entry = TechniqueReport(name, "off", approximate=approximate)
             result.techniques.append(entry)
             if not switches[name]:
-                entry.reason = f"switched off ({SWITCHES[name]}=" + ("None)" if name == "linear" else "False)")
+                off = "None" if SWITCHES[name] == "compress" else "False"
+                entry.reason = f"switched off ({SWITCHES[name]}={off})"
                 continue
             attribute = REPORT_ATTRIBUTES[name]
             snapshot = _snapshot(current)

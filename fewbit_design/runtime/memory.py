@@ -129,6 +129,15 @@ class SavedBytes:
         """Whether the storage behind ``tensor`` was counted as saved for backward."""
         return storage_key(tensor) in self._seen
 
+    def savers(self, tensor: torch.Tensor) -> frozenset[str]:
+        """Qualified names of the modules that saved the storage behind ``tensor`` (the innermost module running at
+        each save, "" outside every module); empty when it was not saved or no model was given.
+
+        Args:
+            tensor: any tensor of the storage
+        """
+        return frozenset(self._savers.get(storage_key(tensor), ()))
+
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` was saved for backward and stays in memory: saved at least once
         without the hooks active below this block (those that were active when it was entered: an offload region,

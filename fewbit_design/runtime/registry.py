@@ -29,6 +29,7 @@ __all__ = ["Technique", "REGISTRY", "techniques", "technique", "names", "setting
 REGISTRY = (
     "fewbit_design.runtime.norms.technique",
     "fewbit_design.runtime.gated.technique",
+    "fewbit_design.runtime.attention.technique",
     "fewbit_design.runtime.head.technique",
     "fewbit_design.runtime.blpa.technique",
     "fewbit_design.runtime.fewbit.technique",

@@ -165,17 +165,23 @@ def test_compress_8_lowers_the_bytes_further_on_gpt2():
     assert saved(compressed, compressed, inputs) < saved(default, default, inputs)
 
 
-def test_compress_8_on_llama_compresses_the_gated_mlps_and_leaves_shared_linear_inputs():
-    # every linear input of a converted LLaMA outside its MLPs is kept at full precision by another module (q/k/v
-    # and the head read a memory-sharing norm's output, o_proj the attention's saved output): compressing them
-    # would add codes, so convert leaves them, saying why; the MLPs' linears belong to the gated op, whose
+def test_compress_8_on_llama_compresses_norms_gated_mlps_attention_and_every_linear():
+    # under compress=8 the norms keep codes of their output (not the output) and hand them to q/k/v and the head,
+    # which then keep that one set; the compressed attention core keeps codes of q, k, v, not its output, so o_proj's
+    # input is its own to compress. Before both, every linear outside the MLPs was left: q/k/v and the head read a
+    # norm's full-precision output, o_proj the output SDPA kept. The MLPs' linears belong to the gated op, whose
     # compressed mode compress=8 turns on
     native, inputs = build("llama")
     default = runtime.convert(copy.deepcopy(native))
     compressed = runtime.convert(copy.deepcopy(native), compress=8)
-    entry = compressed.convert_report.technique("linear")
-    assert entry.status == "nothing" and "its input is saved for backward by another module too" in str(entry)
-    assert not any(isinstance(m, runtime.CompressedLinear) for m in compressed.modules())
+    report = compressed.convert_report
+    assert report.technique("attention").status == "applied"
+    assert "compressed mode, 8-bit output codes" in report.technique("norms").approximate
+    entry = report.technique("linear")
+    assert entry.status == "applied" and not entry.report.skipped, str(entry)
+    outside_mlps = {f"model.layers.0.self_attn.{p}_proj" for p in "qkvo"} | {"lm_head"}
+    assert {name for name, _ in entry.report.replaced} == outside_mlps
+    assert {n for n, m in compressed.named_modules() if isinstance(m, runtime.CompressedLinear)} == outside_mlps
     gated = [m for m in compressed.modules() if isinstance(m, runtime.GatedMLP)]
     assert gated and all(m.mode == "compressed" and m.bits == 8 for m in gated)
     assert "compressed mode, 8-bit" in compressed.convert_report.technique("gated").approximate
@@ -227,15 +233,30 @@ class SwiGLU(torch.nn.Module):
 
 
 def test_a_technique_that_saves_nothing_on_the_probe_is_undone_with_the_reason():
-    # the memory-sharing norm keeps its output, which the linear after it also saves: compressing that linear's
-    # input frees nothing and adds its codes, so the linear technique is left out (per layer: the input is shared)
+    # the memory-sharing norm (exact mode, compress=None) keeps its output, which a linear after it also saves:
+    # compressing that linear's input frees nothing and adds its codes, so the linear technique is left out (per
+    # layer: the input is shared). Under compress=K the norm keeps codes instead and hands them to the linear
+    # (test_compress_8_on_llama_...), so the shared case here is built with the linear technique alone, after a
+    # norm converted in exact mode
     model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64))
-    runtime.convert(model, compress=8, example_inputs=torch.randn(4, 64))
+    runtime.convert(model, activations=False, example_inputs=torch.randn(4, 64))
+    runtime.convert(model, compress=8, norms=False, example_inputs=torch.randn(4, 64))
     report = model.convert_report
-    assert report.technique("norms").status == "applied" and report.after < report.before
+    assert report.technique("norms").status == "off"
     assert report.technique("linear").status == "nothing", str(report)
     assert "its input is saved for backward by another module too" in str(report)
     assert type(model[1]) is torch.nn.Linear
+
+
+def test_compress_8_norm_hands_its_codes_to_the_linear_after_it():
+    # the same model with compress=8 throughout: the norm keeps codes of its output and the linear keeps those same
+    # codes, so both are applied and the bytes fall below the exact norm's
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Linear(64, 64))
+    exact = runtime.convert(copy.deepcopy(model), example_inputs=torch.randn(4, 64)).convert_report
+    runtime.convert(model, compress=8, example_inputs=torch.randn(4, 64))
+    report = model.convert_report
+    assert report.technique("norms").status == "applied" and report.technique("linear").status == "applied"
+    assert report.after < exact.after, (str(report), str(exact))
 
 
 def test_a_technique_measured_no_smaller_is_undone():

@@ -11,7 +11,7 @@ import torch
 from .ops import compressed_linear
 from .quant import GROUP_SIZE, check_options
 
-__all__ = ["CompressedLinear", "CompressedConv1D", "compress_module"]
+__all__ = ["CompressedLinear", "CompressedConv1D", "compress_module", "share_state"]
 
 
 class _Compressed:
@@ -100,10 +100,21 @@ def compress_module(
     ``Parameter`` objects (tied weights stay tied), buffers, hooks and attributes under the same names, so its
     state-dict keys are the original's; ``module`` itself is not changed."""
     options = check_options(bits, group_size, rounding)
+    replacement = share_state(module, target)
+    replacement._set_options(*options)
+    return replacement
+
+
+def share_state(module: torch.nn.Module, target: type) -> torch.nn.Module:
+    """A new ``target`` instance (``__init__`` not run) holding ``module``'s state: a shallow copy, whose dicts
+    (parameters, buffers, hooks) are new and whose entries (the ``Parameter`` objects, ...) are the same.
+
+    Args:
+        module: the module whose state is shared
+        target: the class of the new module (``type(module)`` for a copy of the same class)
+    """
     replacement = target.__new__(target)
-    # a shallow copy of the module's state: the dicts (parameters, buffers, hooks) are new, their entries the same
     replacement.__dict__.update(
         {key: copy.copy(value) if isinstance(value, dict | set) else value for key, value in vars(module).items()}
     )
-    replacement._set_options(*options)
     return replacement

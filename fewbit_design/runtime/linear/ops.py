@@ -34,7 +34,7 @@ import torch
 
 from .quant import GROUP_SIZE, check_options
 
-__all__ = ["compressed_linear", "native_linear"]
+__all__ = ["compressed_linear", "native_linear", "share_codes"]
 
 
 def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, transposed: bool) -> torch.Tensor:
@@ -117,6 +117,14 @@ class _SharedCodes:
         if entry is not None and entry[0]() is x and entry[1] == x._version:
             return entry[2]
         codes = make()
+        self.put(x, options, codes)
+        return codes
+
+    def put(self, x: torch.Tensor, options: tuple, codes: tuple[torch.Tensor, torch.Tensor]) -> None:
+        """Record ``codes`` as x's for these options (eager tensors computed in the forward only)."""
+        if torch.compiler.is_compiling() or x.grad_fn is None:
+            return
+        key = (id(x), options)
         entries = self._entries
 
         def forget(_ref, key=key, entries=entries):
@@ -124,7 +132,6 @@ class _SharedCodes:
 
         with self._lock:
             self._entries[key] = (weakref.ref(x, forget), x._version, codes)
-        return codes
 
 
 _SHARED = _SharedCodes()
@@ -137,6 +144,25 @@ def _codes(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> tup
         return torch.ops.fewbit.group_quantize(x.detach(), bits, group_size, stochastic, seed)
 
     return _SHARED.get(x, (bits, group_size, stochastic, x.shape, x.dtype), make)
+
+
+def share_codes(
+    x: torch.Tensor, codes: tuple[torch.Tensor, torch.Tensor], *, bits: int, group_size: int, rounding: str
+) -> None:
+    """Make ``codes`` (``(packed, scales)`` of x from ``fewbit::group_quantize`` with these options) the codes every
+    compressed linear layer reading x with the same options saves, instead of quantizing x again: a module that
+    computes x and keeps its codes itself (a memory-sharing norm in compressed mode) and the layers after it then
+    keep one set. Eager only (under ``torch.compile`` each layer quantizes its input itself); ignored for a tensor
+    without ``grad_fn``.
+
+    Args:
+        x: the tensor the codes are of
+        codes: its packed codes and scales
+        bits: bits per code
+        group_size: values per group
+        rounding: ``'stochastic'`` or ``'nearest'``, how the codes were rounded
+    """
+    _SHARED.put(x, (bits, group_size, rounding == "stochastic", x.shape, x.dtype), codes)
 
 
 def compressed_linear(

@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ...errors import FewBitError, check_positive
+from ...errors import FewBitError, check_bits, check_positive
 from .nn import MemorySharingNorm
 from .ops import DEFAULT_THRESHOLD
 
@@ -221,15 +221,20 @@ def _norm_like(module: torch.nn.Module) -> bool:
     return "norm" in type(module).__name__.lower() and not isinstance(module, MemorySharingNorm)
 
 
-def convert(model: torch.nn.Module, *, threshold: float = DEFAULT_THRESHOLD) -> torch.nn.Module:
+def convert(
+    model: torch.nn.Module, *, threshold: float = DEFAULT_THRESHOLD, bits: int | None = None
+) -> torch.nn.Module:
     """Replace, in place, every LayerNorm / RMSNorm of ``model`` proven equal on the probe (see the module
     docstring) by a :class:`~.nn.MemorySharingNorm` sharing its parameters; return the model, with
     ``model.norms_report`` (a :class:`NormsReport`). A model that is itself a norm is returned replaced (use the
     return value). ``threshold``: see :mod:`.ops` (channels with ``|w| < threshold * (|b| + tiny / eps)`` keep
-    their normalised input)."""
+    their normalised input). ``bits``: None (exact), or 2..8 for the compressed mode (the output kept as group
+    codes shared with the compressed linears reading it; approximate gradients; the probe is exact mode's)."""
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"norms.convert takes a torch.nn.Module, got {type(model).__name__}")
     threshold = check_positive("norms threshold", threshold)
+    if bits is not None:
+        bits = check_bits(bits, low=2, high=8)
     report = NormsReport()
     decided: dict[int, tuple[MemorySharingNorm | None, str]] = {}
 
@@ -239,6 +244,9 @@ def convert(model: torch.nn.Module, *, threshold: float = DEFAULT_THRESHOLD) -> 
                 decided[id(module)] = (None, "")
             else:
                 decided[id(module)] = _replacement(module, threshold)
+                if decided[id(module)][0] is not None and bits is not None:
+                    decided[id(module)][0].bits = bits
+                    decided[id(module)] = (decided[id(module)][0], f"{decided[id(module)][1]}, {bits}-bit output codes")
         return decided[id(module)][0]
 
     def record(name: str, module: torch.nn.Module) -> None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import torch
 
-from ...errors import FewBitError, check_choice
-from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, norm_and_kept_count
+from ...errors import FewBitError, check_bits, check_choice
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, memory_sharing_norm, norm_and_kept_count
 
 __all__ = ["MemorySharingNorm"]
 
@@ -23,6 +23,8 @@ class MemorySharingNorm(torch.nn.Module):
         weight: the original module's weight (shared, not copied), or None.
         bias: the original module's bias (shared, not copied), or None.
         threshold: channels with ``|w| < threshold * (|b| + tiny / eps)`` keep their normalised input.
+        bits: None (exact), or 2..8: compressed mode, the output kept as that many bits of group codes (shared
+            with the compressed linear layers reading it; approximate gradients).
 
     Under ``torch.compile`` the number of kept channels must be static (a data-dependent count would split the
     graph at every norm, and each piece would save its own copies of shared tensors such as the attention mask):
@@ -45,6 +47,7 @@ class MemorySharingNorm(torch.nn.Module):
         weight: torch.nn.Parameter | None = None,
         bias: torch.nn.Parameter | None = None,
         threshold: float = DEFAULT_THRESHOLD,
+        bits: int | None = None,
     ) -> None:
         super().__init__()
         self.kind = check_choice("norm kind", kind, KINDS)
@@ -57,6 +60,7 @@ class MemorySharingNorm(torch.nn.Module):
         self.compiled_capacity = 0
         if weight is not None and not weight.is_meta:  # in the weight's dtype; an eager run counts in the input's
             self.compiled_capacity = int(kept_channels(weight.dtype, weight, bias, self.kind, self.threshold).sum())
+        self.bits = None if bits is None else check_bits(bits, low=2, high=8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         ndim = len(self.normalized_shape)
@@ -67,6 +71,17 @@ class MemorySharingNorm(torch.nn.Module):
             )
         # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
         eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
+        if getattr(self, "bits", None) is not None:  # compressed mode: approximate, codes shared with the linears
+            return memory_sharing_norm(
+                x,
+                self.weight,
+                self.bias,
+                kind=self.kind,
+                normalized_ndim=ndim,
+                eps=eps,
+                threshold=self.threshold,
+                bits=self.bits,
+            )
         compiling = torch.compiler.is_compiling()
         y, kept = norm_and_kept_count(
             x,
@@ -83,4 +98,5 @@ class MemorySharingNorm(torch.nn.Module):
         return y
 
     def extra_repr(self) -> str:
-        return f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"
+        text = f"{self.normalized_shape}, kind={self.kind!r}, eps={self.eps}, threshold={self.threshold}"
+        return text if getattr(self, "bits", None) is None else f"{text}, bits={self.bits}"

@@ -24,6 +24,11 @@ Kinds (each forward is the original module's, op for op, so the output is bitwis
 * ``t5``: ``weight * (x * rstd)`` cast to the weight's dtype first when that is 16-bit (T5LayerNorm);
 * ``gemma``: ``((x.float() * rstd) * (1 + weight.float())).type_as(x)`` (Gemma's RMSNorm).
 
+Compressed mode (``bits``, opt-in through ``runtime.convert(compress=K)``): the output is kept as K-bit group codes
+instead (op ``torch.ops.fewbit.norm_forward_compressed``), the same codes the compressed linear layers reading the
+output keep (one set for the norm and q, k, v in eager); backward reconstructs xhat from the decoded output, so the
+gradients are approximate (the decoded output is within one step of the exact one, unbiased).
+
 Backward is computed in float32 (float64 for float64 tensors); gradients are returned in the input's and the
 parameters' dtypes. Ops: ``torch.ops.fewbit.norm_forward`` and ``torch.ops.fewbit.norm_backward`` (fake kernels
 registered, so ``torch.compile`` and ``torch.library.opcheck`` work); :func:`memory_sharing_norm` is the entry point.
@@ -43,6 +48,7 @@ import math
 import torch
 
 from ...errors import FewBitError, check_choice
+from ..linear.quant import GROUP_SIZE, check_options
 
 __all__ = ["KINDS", "DEFAULT_THRESHOLD", "memory_sharing_norm", "forward_reference", "kept_channels"]
 
@@ -177,7 +183,7 @@ def _norm_forward(
 
 
 @_norm_forward.register_fake
-def _(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity):
+def _norm_forward_fake(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity):
     y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
     if weight is None:
         count = 0
@@ -283,6 +289,69 @@ def _backward(ctx, grad, *_):
 _norm_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# Compressed mode: the output kept as K-bit group codes
+
+
+@torch.library.custom_op("fewbit::norm_forward_compressed", mutates_args=())
+def _norm_forward_compressed(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float,
+    bits: int,
+    group_size: int,
+    seed: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    y, rstd, channels, kept = _norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, -1)
+    packed, scales = torch.ops.fewbit.group_quantize(y.detach(), bits, group_size, True, seed)
+    return y, rstd, channels, kept, packed, scales
+
+
+@_norm_forward_compressed.register_fake
+def _(x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed):
+    y, rstd, channels, kept = _norm_forward_fake(x, weight, bias, kind, normalized_ndim, eps, threshold, -1)
+    packed, scales = torch.ops.fewbit.group_quantize(y, bits, group_size, True, seed)
+    return y, rstd, channels, kept, packed, scales
+
+
+def _setup_context_compressed(ctx, inputs, output) -> None:
+    x, weight, bias, kind, _, _, _, bits, group_size, _ = inputs
+    y, rstd, channels, kept, packed, scales = output
+    ctx.mark_non_differentiable(rstd, channels, kept, packed, scales)
+    ctx.save_for_backward(rstd, channels, kept, packed, scales, weight, bias)
+    ctx.kind, ctx.x_dtype, ctx.y_shape, ctx.y_dtype = kind, x.dtype, y.shape, y.dtype
+    ctx.options = (bits, group_size)
+
+
+def _backward_compressed(ctx, grad, *_):
+    rstd, channels, kept, packed, scales, weight, bias = ctx.saved_tensors
+    bits, group_size = ctx.options
+    features = ctx.y_shape[-1] if len(ctx.y_shape) else 1
+    decoded = torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, ctx.y_dtype)
+    grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
+        grad, decoded.reshape(ctx.y_shape), rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
+    )
+    return (
+        grad_x if ctx.needs_input_grad[0] else None,
+        grad_weight if weight is not None and ctx.needs_input_grad[1] else None,
+        grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+        None,
+    )
+
+
+_norm_forward_compressed.register_autograd(_backward_compressed, setup_context=_setup_context_compressed)
+
+
 def memory_sharing_norm(
     x: torch.Tensor,
     weight: torch.Tensor | None,
@@ -293,9 +362,14 @@ def memory_sharing_norm(
     eps: float,
     threshold: float = DEFAULT_THRESHOLD,
     capacity: int | None = None,
+    bits: int | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> torch.Tensor:
     """The norm of ``kind`` over the last ``normalized_ndim`` dimensions of ``x``; for backward it keeps only its
-    output, the rows' rstd and the kept channels' xhat (see the module docstring).
+    output, the rows' rstd and the kept channels' xhat (see the module docstring). With ``bits`` (compressed mode)
+    it keeps the output as ``bits``-bit group codes (:mod:`fewbit_design.runtime.linear.quant`, stochastic rounding)
+    instead, and hands them to the compressed linear layers that read the output (one set of codes; eager), so
+    gradients are approximate.
 
     Args:
         x: the input
@@ -309,10 +383,26 @@ def memory_sharing_norm(
         capacity: how many channels keep their normalised input, a static count (so ``torch.compile`` traces the
             op without a graph break); None keeps exactly the channels that need it, a data-dependent count (eager).
             Under compile, more channels needing it than ``capacity`` raises :class:`FewBitError`.
+        bits: None (exact: keep the output), or 2..8: keep the output as that many bits of group codes
+        group_size: values per (low, step) group of the codes (compressed mode)
     """
-    return norm_and_kept_count(
-        x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
-    )[0]
+    if bits is None:
+        return norm_and_kept_count(
+            x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
+        )[0]
+    check_choice("norm kind", kind, KINDS)
+    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
+        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0]
+    from ..linear.ops import share_codes
+
+    bits, group_size, _ = check_options(bits, group_size, "stochastic")
+    # the seed comes from torch's default CPU generator, as the compressed linears' (torch.manual_seed reproduces)
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+    y, _, _, _, packed, scales = torch.ops.fewbit.norm_forward_compressed(
+        x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed
+    )
+    share_codes(y, (packed, scales), bits=bits, group_size=group_size, rounding="stochastic")
+    return y
 
 
 def norm_and_kept_count(

@@ -1,0 +1,245 @@
+"""Run the attention cores of a Hugging Face model through the compressed attention op, and say what was done.
+
+Hugging Face attention modules (LLaMA, Mistral, Qwen2, Phi-3, Gemma, GPT-2, ...) compute q, k and v, then call
+``ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation, ...)``: the attention core is looked up by
+name in transformers' ``AttentionInterface``. This module registers one more name there, :data:`IMPLEMENTATION`,
+whose function (:func:`hf_attention_forward`) does what transformers' ``sdpa`` function does (the same GQA choice,
+causal flag and output layout) with the SDPA call replaced by :func:`~.ops.compressed_attention`.
+
+Recognition is by structure: a module whose ``forward`` reads ``ALL_ATTENTION_FUNCTIONS`` and which has a
+``config`` whose attention implementation is ``"sdpa"``. Each such module is replaced at its places by a shallow copy
+(same class, same ``Parameter`` objects, hooks and attributes) whose ``config`` is a copy naming
+:data:`IMPLEMENTATION`, and whose ``fewbit_attention`` attribute holds the options. The model's own config is not
+changed, so removing the replacement (``runtime.convert`` restores the original modules when a technique does not pay
+off, or on error) restores the model exactly. Attention modules with another implementation (``"eager"``: its
+softmax is not SDPA's, so the forward would not be bitwise the model's), and those with attention dropout (which
+the compressed core does not do), are left alone with the reason in the report.
+
+Calls the compressed op does not cover go to transformers' own ``sdpa`` function unchanged: dropout in training,
+``position_bias``, ``softcap``, attention outputs, and key/value lengths other than the query's (caches).
+
+>>> import transformers                                                              # doctest: +SKIP
+>>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1))  # doctest: +SKIP
+>>> model = convert(model, bits=8)                                                    # doctest: +SKIP
+>>> print(model.attention_report)                                                     # doctest: +SKIP
+compressed 1 attention core(s) (8-bit q, k, v; groups of 64), left 0 alone
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import sys
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import FewBitError
+from ..linear.nn import share_state
+from ..linear.quant import GROUP_SIZE, check_options
+from .ops import compressed_attention
+
+__all__ = ["convert", "AttentionReport", "hf_attention_forward", "IMPLEMENTATION"]
+
+#: the name registered in transformers' AttentionInterface
+IMPLEMENTATION = "fewbit_compressed"
+#: the attribute holding (bits, group_size) on a converted attention module
+OPTIONS = "fewbit_attention"
+
+
+@dataclass
+class AttentionReport:
+    """What :func:`convert` did.
+
+    Attributes:
+        bits: the bits of the q, k, v codes
+        group_size: values per group
+        replaced: qualified names and class of the attention modules converted
+        skipped: names, class and reason of the attention modules left alone
+        already: how many were converted already
+    """
+
+    bits: int
+    group_size: int
+    replaced: list[tuple[str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str, str]] = field(default_factory=list)
+    already: int = 0
+
+    def __str__(self) -> str:
+        lines = [
+            f"compressed {len(self.replaced)} attention core(s) ({self.bits}-bit q, k, v; groups of "
+            f"{self.group_size}), left {len(self.skipped)} alone"
+        ]
+        for original, count in Counter(original for _, original in self.replaced).items():
+            lines.append(f"  {count} x {original}")
+        for (original, reason), count in Counter((original, reason) for _, original, reason in self.skipped).items():
+            lines.append(f"  left alone: {count} x {original}: {reason}")
+        if self.already:
+            lines.append(f"  {self.already} were converted already")
+        return "\n".join(lines)
+
+
+def hf_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' ``sdpa_attention_forward`` with the compressed op (module docstring); the calls the op does not
+    cover, and modules without options, go to transformers' function itself.
+
+    Args:
+        module: the attention module (its ``fewbit_attention`` options, ``num_key_value_groups``, ``is_causal``)
+        query: (B, H, S, D)
+        key: (B, H_kv, S_kv, D)
+        value: (B, H_kv, S_kv, D)
+        attention_mask: the model's mask for SDPA, or None
+        dropout: the attention dropout probability
+        scaling: the score scale
+        is_causal: the caller's causal flag (None: the module's)
+        kwargs: the other keywords transformers passes
+    """
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+
+    options = getattr(module, OPTIONS, None)
+    q_length, kv_length = query.shape[2], key.shape[2]
+    uncovered = (
+        options is None
+        or dropout > 0.0
+        or kwargs.get("position_bias") is not None
+        or kwargs.get("softcap") is not None
+        or kwargs.get("output_attentions", False)
+        or q_length != kv_length
+    )
+    if uncovered:
+        return sdpa_attention_forward(
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+        )
+    bits, group_size = options
+    kv_repeat, enable_gqa = 1, False
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups > 1:
+        if use_gqa_in_sdpa(attention_mask, key, value):
+            enable_gqa = True
+        else:
+            kv_repeat = groups
+    is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+    output = compressed_attention(
+        query,
+        key,
+        value,
+        attention_mask,
+        scale=scaling,
+        is_causal=is_causal,
+        kv_repeat=kv_repeat,
+        enable_gqa=enable_gqa,
+        bits=bits,
+        group_size=group_size,
+    )
+    output = output.reshape(output.shape[0], -1, q_length, value.shape[-1])
+    return output.transpose(1, 2).contiguous(), None
+
+
+def _register() -> None:
+    """Register :data:`IMPLEMENTATION` in transformers' AttentionInterface (idempotent)."""
+    transformers = sys.modules.get("transformers")
+    if transformers is not None:
+        transformers.AttentionInterface.register(IMPLEMENTATION, hf_attention_forward)
+
+
+def _attention_core(module: torch.nn.Module) -> str | None:
+    """The attention implementation a Hugging Face attention module looks up, or None for any other module."""
+    # unwrap decorators (transformers wraps forward in deprecate_kwarg)
+    forward = getattr(inspect.unwrap(type(module).forward), "__code__", None)
+    config = getattr(module, "config", None)
+    if forward is None or "ALL_ATTENTION_FUNCTIONS" not in forward.co_names or config is None:
+        return None
+    return getattr(config, "_attn_implementation", None) or "none"
+
+
+def _dropout(module: torch.nn.Module) -> float:
+    """The attention dropout probability a Hugging Face attention module passes in training (LLaMA-style
+    ``attention_dropout``, GPT-2's ``attn_dropout`` module)."""
+    probability = getattr(module, "attention_dropout", 0.0)
+    if isinstance(probability, torch.nn.Module):
+        probability = getattr(probability, "p", 0.0)
+    layer = getattr(module, "attn_dropout", None)
+    return max(float(probability or 0.0), float(getattr(layer, "p", 0.0) or 0.0))
+
+
+def convert(
+    model: torch.nn.Module,
+    bits: int = 8,
+    *,
+    group_size: int = GROUP_SIZE,
+    filter: Callable[[str, torch.nn.Module], bool] | None = None,
+) -> torch.nn.Module:
+    """Run the SDPA attention cores of ``model`` through the compressed op (in place: each attention module is
+    replaced at its places by a converted copy); returns the model with the report as ``model.attention_report``.
+
+    Args:
+        bits: bits of the q, k, v codes, 2 to 8.
+        group_size: values per (low, step) pair along the head dimension.
+        filter: ``filter(name, module) -> bool``; only attention modules it accepts are converted.
+    """
+    bits, group_size, _ = check_options(bits, group_size, "nearest")
+    if not isinstance(model, torch.nn.Module):
+        raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
+    if filter is not None and not callable(filter):
+        raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
+    report = AttentionReport(bits, group_size)
+    decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
+
+    def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
+        if id(module) in decided:  # a module at several places: one decision, one shared replacement
+            return decided[id(module)]
+        implementation, replacement = _attention_core(module), None
+        kind = type(module).__name__
+        if implementation == IMPLEMENTATION:
+            report.already += 1
+        elif implementation is not None and implementation != "sdpa":
+            report.skipped.append(
+                (
+                    name,
+                    kind,
+                    f"attention implementation {implementation!r}: the compressed core stands in for 'sdpa' only "
+                    "(load the model with attn_implementation='sdpa')",
+                )
+            )
+        elif implementation == "sdpa" and _dropout(module) > 0.0:
+            report.skipped.append(
+                (
+                    name,
+                    kind,
+                    f"attention dropout {_dropout(module)}: in training it would run native SDPA (the compressed "
+                    "core has no dropout)",
+                )
+            )
+        elif implementation == "sdpa" and (filter is None or filter(name, module)):
+            _register()
+            replacement = share_state(module, type(module))
+            replacement.config = copy.copy(module.config)
+            # the copy's own name only: its sub-configs are the original's objects, left as they are
+            replacement.config._attn_implementation_internal = IMPLEMENTATION
+            setattr(replacement, OPTIONS, (bits, group_size))
+            report.replaced.append((name, kind))
+        decided[id(module)] = replacement
+        return replacement
+
+    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
+        for attribute, child in list(parent._modules.items()):
+            if child is not None:
+                replacement = decide(f"{parent_name}.{attribute}" if parent_name else attribute, child)
+                if replacement is not None:
+                    parent._modules[attribute] = replacement
+    model.attention_report = report
+    return model
