@@ -333,6 +333,7 @@ class _Measure:
             "gradient_bytes": run.gradient_bytes,
             "saved_bytes": run.saved_bytes,
             "offloaded_bytes": run.region.bytes,
+            "pool_bytes": run.region.pool_bytes,
         }
 
         def timed_step() -> None:
