@@ -310,6 +310,25 @@ def test_stock_causal_lm_with_its_cache_on_plans_and_trains(kind):
         loss.backward()
         optimizer.step()
         assert math.isfinite(loss.item())
+    # at a budget the unconverted model fits (issue 26): every block plain, and applying the plan changes nothing
+    for budget in (1.0, None, plans[0].unconverted_peak_bytes):
+        full = plans[0].replan(budget)
+        assert full.choices == ("plain",) * len(full.choices) and full.techniques_used() == set(), budget
+    applied, unchanged = full.apply(_stock_model(kind)), _stock_model(kind)
+    assert _structure(applied) == _structure(unchanged)
+    losses = []
+    for model in (applied, unchanged):
+        torch.manual_seed(1)  # the same dropout masks
+        losses.append(model(tokens, labels=tokens).loss)
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), (_, b) in zip(applied.named_parameters(), unchanged.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def _structure(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(name, module class, class of an instance-level forward: a wrapper) of every module."""
+    return [(n, type(m).__name__, type(m.__dict__.get("forward")).__name__) for n, m in model.named_modules()]
 
 
 # --- exact unless needed ---------------------------------------------------------------------------------------
