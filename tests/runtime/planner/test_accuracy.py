@@ -8,6 +8,7 @@ import dataclasses
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from fewbit_design import runtime
 
@@ -83,3 +84,50 @@ def test_an_offloaded_block_input_over_min_bytes_is_predicted_freed(one_torch_th
         predicted, measured = _check(plan, _cnn, x)
         assert abs(predicted - measured) <= 64, plan.choices  # exact up to a scalar (the bug: 2x)
     assert every.predicted_peak_bytes < 0.6 * base.unconverted_peak_bytes
+
+
+class _OperatorClock(TorchDispatchMode):
+    """A clock whose time is the number of operators run (1 us each): a machine where every operator costs the
+    same and nothing else runs. No wall time is read."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.operators = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.operators += 1
+        return func(*args, **(kwargs or {}))
+
+    def __call__(self) -> float:
+        return self.operators * 1e-6
+
+
+def test_step_time_model_is_exact_where_time_is_operators(monkeypatch):
+    """The predicted step time (the plain step plus each chosen option's block time minus plain's) against the
+    applied plan's step, both on a clock that counts operators: equal for recomputation (checkpoint), offload's
+    hooks, few-bit and compressed linear inputs, alone and combined. So the structure of the time model has no
+    systematic error (no recompute or hook counted twice or missed); what remains on a real machine is the cost of
+    each operator there (caches, threads, the transfers' I/O) and noise (benchmarks/planner_accuracy.py)."""
+    from fewbit_design.runtime.planner import profile
+
+    clock = _OperatorClock()
+    monkeypatch.setattr(profile, "clock", clock)
+    x = torch.randn(16, 16, generator=torch.Generator().manual_seed(1))
+    with clock:
+        base = runtime.plan_memory(
+            _mlp(16), x, budget=None, approximate="allowed", offload_min_bytes=1 << 11, repeats=1
+        )
+    cases = [("plain",) * 4, ("checkpoint", "plain", "checkpoint", "plain"), ("fewbit+checkpoint",) * 3 + ("fewbit",)]
+    cases += [("offload",) * 4, ("linear", "fewbit+offload", "linear+checkpoint", "plain")]
+    for choices in cases:
+        plan = dataclasses.replace(base, choices=choices)
+        model = plan.apply(_mlp(16))
+        with clock:
+            start = clock.operators
+            profile.default_loss(model(x)).backward()
+            measured = (clock.operators - start) * 1e-6
+        handle = getattr(model, "fewbit_offload", None)
+        if handle is not None:
+            handle.remove()
+        assert plan.predicted_step_seconds == pytest.approx(measured, rel=1e-9), choices
+    assert base.replan(None, allow=("checkpoint",)).predicted_step_seconds == base.step_seconds
