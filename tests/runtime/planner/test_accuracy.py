@@ -131,3 +131,33 @@ def test_step_time_model_is_exact_where_time_is_operators(monkeypatch):
             handle.remove()
         assert plan.predicted_step_seconds == pytest.approx(measured, rel=1e-9), choices
     assert base.replan(None, allow=("checkpoint",)).predicted_step_seconds == base.step_seconds
+
+
+def test_hf_gpt2_under_offload_within_budget_and_exact(one_torch_thread):
+    """The reason for ``SavedBytes.keeps`` (GPT-2 plans measured 0.7-1.5% over budget): a block's hidden state under
+    ``offload_min_bytes`` (4 x 16 x 16 floats, 4 KiB, under 8 KiB) stays in memory under offload while its inner
+    activations (the MLP's, 16 KiB) leave; the profile must say so for the block's input, as for the CNN above the
+    opposite. Over a sweep of budgets the measured peak is within the budget and equal to the prediction (up to a
+    scalar)."""
+    transformers = pytest.importorskip("transformers")
+    from hf_tiny import tiny_gpt2, tokens
+
+    batch = tokens(batch=4, length=16)
+    base = runtime.plan_memory(
+        tiny_gpt2(transformers, layers=3), batch, budget=None, example_kwargs={"labels": batch},
+        offload_min_bytes=8192, allow=("offload", "checkpoint"), repeats=1,
+    )  # fmt: skip
+    assert all(block.option("offload").saves_input for block in base.costs.blocks)
+    unconverted, smallest = base.unconverted_peak_bytes, base.facts["minimum_budget_bytes"]
+    plans = [base.replan(round(unconverted - k * (unconverted - smallest) / 3)) for k in range(4)]
+    # and fixed choices with offload, whatever the timings chose
+    for choices in [("offload",) * 3, ("offload", "plain", "offload"), ("checkpoint", "offload", "offload")]:
+        plans.append(dataclasses.replace(base, choices=choices, budget_bytes=unconverted))
+    for plan in plans:
+        model = plan.apply(tiny_gpt2(transformers, layers=3))
+        measured = plan.measure(model, batch, labels=batch, steps=0)["peak_bytes"]
+        handle = getattr(model, "fewbit_offload", None)
+        if handle is not None:
+            handle.remove()
+        assert measured <= plan.budget_bytes, (plan.choices, plan.budget_bytes, measured)
+        assert abs(plan.predicted_peak_bytes - measured) <= 64, (plan.choices, plan.predicted_peak_bytes, measured)
