@@ -29,7 +29,15 @@ import torch
 from ..errors import FewBitError, check_choice
 from . import memory
 
-__all__ = ["BlockRun", "run_block", "first_tensor", "storage_bytes", "synchronize", "training_state_kept"]
+__all__ = [
+    "BlockRun",
+    "run_block",
+    "block_input",
+    "first_tensor",
+    "storage_bytes",
+    "synchronize",
+    "training_state_kept",
+]
 
 SEEDS = ("ones", "owned")
 
@@ -46,6 +54,18 @@ def first_tensor(output: Any) -> torch.Tensor:
         kind = type(hidden).__name__
         raise FewBitError(f"a block of the chain must return a tensor or a tuple starting with one, got {kind}")
     return hidden
+
+
+def block_input(x: torch.Tensor, *, needs_grad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(leaf, input): a leaf copy of ``x`` (requiring a gradient when ``needs_grad``) and the hidden state to run a
+    block alone on, as the block receives it inside a chain: with a gradient, a non-leaf of its own storage (a clone
+    of the leaf), so that ``saved_bytes`` counts it when saved and a region treats it as it treats the chain's
+    hidden states. Not a view of the leaf: offload keeps a view of a leaf that requires a gradient in memory, as it
+    keeps parameters, where it moves the chain's hidden state out (the profile then took a CNN block's offloaded
+    input as kept). Without a gradient, the leaf itself (a model input that needs none is a leaf in the chain too).
+    Make it before :func:`memory.peak` starts: the chain's hidden state exists before the block runs."""
+    leaf = x.detach().requires_grad_(needs_grad)
+    return leaf, (leaf.clone() if needs_grad else leaf)
 
 
 def synchronize(device: torch.device) -> None:
@@ -147,9 +167,7 @@ def run_block(
     the output (detached; None for ``"owned"``, whose output must not outlive the forward)."""
     seed = check_choice("seed", seed, SEEDS)
     kwargs = kwargs or {}
-    leaf = x.detach().requires_grad_(needs_grad)
-    # a view of the leaf is a non-leaf like the hidden state inside a chain, so saved_bytes counts it when saved
-    inp = leaf.view_as(leaf) if needs_grad else leaf
+    leaf, inp = block_input(x, needs_grad=needs_grad)
     backward_peak = backward_delta = 0
     with memory.peak() as p:
         # the region outside, so that saved_bytes sees what the block saves before the region's hooks take it
@@ -158,7 +176,7 @@ def run_block(
         hidden = first_tensor(output)
         forward_peak, after_forward = p.peak_bytes, p.live_bytes
         output_bytes = storage_bytes(hidden)
-        new_output = hidden.untyped_storage().data_ptr() != leaf.untyped_storage().data_ptr()
+        new_output = hidden.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
         # kept in memory for backward (a region such as offload keeps what is under its size threshold)
         saves_input, saves_output = saved.keeps(inp), saved.keeps(hidden)
         result = hidden.detach() if seed == "ones" else None  # "owned": the output lives only if the block saved it

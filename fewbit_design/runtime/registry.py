@@ -62,7 +62,8 @@ class Technique:
             can) and returns the block now at its place; for the ``region`` seam it is ``apply(model, blocks,
             config)``, once for all blocks that run under it, and returns a handle (``.remove()`` undoes it).
         region: ``region`` seam only: ``region(config)``, the context the profiler runs one block under; its
-            value has ``.bytes``, what left memory.
+            value has ``.bytes``, what left memory, and may have ``.pool_bytes``, buffers it keeps for reuse
+            after the block (shared by the blocks of a chain; the profiler passes it to ``cost`` as a fact).
         check: ``check(block, config)`` raises :class:`FewBitError` when ``apply`` would refuse ``block`` (run on
             every block before a plan changes any, so that applying a plan is all or nothing). Default: no check.
         changes: ``changes(block, config)``, whether ``apply`` would change ``block`` (the planner measures only
@@ -71,8 +72,8 @@ class Technique:
         cost: the cost model, ``cost(option_cost, facts)``: what the planner charges for a block under an option
             holding this technique, from what the profiler measured (``option_cost``, a
             :class:`~.planner.model.OptionCost`) and measured facts (``facts``: ``input_bytes``,
-            ``output_bytes``, ``saved_bytes``, ``offloaded_bytes``); None drops the option (nothing to gain).
-            Applied in registry order. Default: charge what was measured.
+            ``output_bytes``, ``saved_bytes``, ``offloaded_bytes``, ``pool_bytes``); None drops the option (nothing
+            to gain). Applied in registry order. Default: charge what was measured.
         excludes: techniques it is never combined with in one option.
         settings: the plan-settings keys this technique reads beyond the planner's own (``bits``, ``blpa_bits``,
             ``offload``), with their defaults: ``plan_memory(technique_settings=...)`` sets them, plan files record

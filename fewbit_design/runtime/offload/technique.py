@@ -1,21 +1,49 @@
 """Offloading as the planner sees it: what the block saves for backward leaves memory in forward and comes back in
 backward (exact gradients). Config: the plan's ``offload`` settings (offload's own arguments). Its cost model: an
 option that offloaded nothing (every saved tensor under ``min_bytes``) is dropped; otherwise the measured bytes and
-time stand (the profiler runs the block inside a synchronous offload region, so the transfer time is measured,
-not estimated as :func:`.cost.cost` does)."""
+time stand (the profiler runs the block inside an offload region, so the transfer time is measured, not estimated
+as :func:`.cost.cost` does), except the staging buffer of packed small tensors (``pack_bytes``): the block alone
+allocates it, and it stays in the region's pool for reuse, so it is measured as bytes the block keeps; in a chain
+every block's pack goes through that one buffer. So it is charged once for the step (``pool_bytes``, see
+:class:`~..planner.model.OptionCost`), not as kept by each block."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
 from ..registry import Technique
 
 
-def _region(options: Mapping[str, Any]) -> Any:
-    from .region import saved_tensors
+class _ProfiledRegion:
+    """One block's offload region for the profiler; its value has ``bytes`` (what left memory) and ``pool_bytes``
+    (the staging buffers the region's pool holds after the run: allocated by this block, kept for the next)."""
 
-    return saved_tensors(**options)
+    def __init__(self, options: Mapping[str, Any]) -> None:
+        from .region import saved_tensors
+
+        self._region = saved_tensors(**options)
+        self._stats: Any = None
+
+    def __enter__(self) -> _ProfiledRegion:
+        self._stats = self._region.__enter__()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self._region.__exit__(*exc)
+
+    @property
+    def bytes(self) -> int:
+        return int(self._stats.bytes) if self._stats is not None else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return int(self._region._options.staging.held_bytes)
+
+
+def _region(options: Mapping[str, Any]) -> Any:
+    return _ProfiledRegion(options)
 
 
 def _apply(model: Any, blocks: list, options: Mapping[str, Any]) -> Any:
@@ -25,7 +53,14 @@ def _apply(model: Any, blocks: list, options: Mapping[str, Any]) -> Any:
 
 
 def _cost(cost: Any, facts: Mapping[str, int]) -> Any:
-    return cost if facts.get("offloaded_bytes", 0) > 0 else None  # nothing large enough to offload
+    if facts.get("offloaded_bytes", 0) <= 0:
+        return None  # nothing large enough to offload
+    pool = facts.get("pool_bytes", 0)  # allocated at the end of the block's forward, where its bytes peak
+    if pool <= 0:
+        return cost
+    return dataclasses.replace(
+        cost, forward_peak=cost.forward_peak - pool, kept=cost.kept - pool, pool_bytes=cost.pool_bytes + pool
+    )
 
 
 TECHNIQUE = Technique(

@@ -34,6 +34,7 @@ option combinations, scored by :func:`replay`.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -46,6 +47,7 @@ __all__ = [
     "optimise",
     "minimum_budget",
     "reserved_bytes",
+    "pool_bytes",
     "settle_ties",
 ]
 
@@ -58,7 +60,10 @@ class OptionCost:
     """What one block costs under one option (bytes from ``memory.peak``/``memory.saved_bytes``; seconds of a
     forward + backward of the block alone). ``resident_bytes``: parameters and buffers the option adds to the block
     (a few-bit table's levels and boundaries), alive through the whole step; ``spread``: the timing noise of
-    ``seconds`` (half the range of the timed runs; :func:`settle_ties`). Both 0 in plans saved before they existed."""
+    ``seconds`` (half the range of the timed runs; :func:`settle_ties`); ``pool_bytes``: a buffer of a size class
+    that the option's region keeps for reuse (offload's staging buffer of packed small tensors), shared by every
+    block of the chain under that region, so charged once per step for each distinct size chosen
+    (:func:`pool_bytes`), not in ``forward_peak`` or ``kept``. All 0 in plans saved before they existed."""
 
     option: str
     forward_peak: int
@@ -69,6 +74,7 @@ class OptionCost:
     seconds: float
     resident_bytes: int = 0
     spread: float = 0.0
+    pool_bytes: int = 0
 
 
 @dataclass(frozen=True)
@@ -145,9 +151,19 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
         if i > 0 and choice[i].saves_input and not choice[i - 1].saves_output:
             live -= blocks[i].input_bytes
     timeline.append(("modules before the chain (backward)", chain.pre_backward_peak))
-    resident = reserved_bytes(chain)
-    timeline = [(label, value + resident) for label, value in timeline]
+    resident, pool = reserved_bytes(chain), pool_bytes(choice)
+    # the pool exists from the first pack on: not before the chain, at every event after its start (an upper bound
+    # for the blocks' forwards before the first block that packs)
+    timeline = [(label, value + resident + (pool if k else 0)) for k, (label, value) in enumerate(timeline)]
     return Replay(max(value for _, value in timeline), sum(o.seconds for o in choice), timeline)
+
+
+def pool_bytes(choice: Sequence[OptionCost]) -> int:
+    """Bytes the regions of ``choice`` keep in their pools through the step: one buffer of each distinct
+    ``pool_bytes`` (a size class) among the chosen options, since the blocks under a region reuse its buffer.
+    Measured: one buffer per size class after a step of packed offload (``tests/runtime/planner``); a write still
+    in flight when the next block packs would hold a second one, which this does not count."""
+    return sum({o.pool_bytes for o in choice} - {0})
 
 
 def reserved_bytes(chain: ChainCosts) -> int:
@@ -190,15 +206,43 @@ def _terminal(chain: ChainCosts, a: OptionCost) -> int:
     return max(exit_bytes + chain.post_forward_peak, exit_bytes + chain.post_bytes - last + a.backward_peak)
 
 
+#: distinct ``pool_bytes`` values the optimiser enumerates the subsets of (beyond: all of them are charged)
+MAX_POOLS = 4
+
+
 def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | None = None) -> list[str] | None:
     """The options (one name per block) of least total time whose predicted peak (:func:`replay`) is at most
-    ``budget`` bytes; None when none fits. ``allowed[i]`` restricts block i's options (default: all of them)."""
+    ``budget`` bytes; None when none fits. ``allowed[i]`` restricts block i's options (default: all of them).
+
+    Pools (:func:`pool_bytes`: a constant of the chosen set, not of a block) are exact by enumeration: for each
+    set S of distinct pool sizes, the best plan among options whose pool is in S, with S's bytes charged at every
+    event after the chain's start; the best over all S (a plan using fewer sizes than S is also found with its own
+    set, charged less). More than :data:`MAX_POOLS` sizes: all are charged (an upper bound)."""
+    options = _options(chain, allowed)
+    sizes = sorted({o.pool_bytes for block in options for o in block} - {0})
+    subsets = [()] + [s for r in range(1, len(sizes) + 1) for s in itertools.combinations(sizes, r)]
+    if len(sizes) > MAX_POOLS:
+        subsets = [tuple(sizes)]
+    best = None
+    for subset in subsets:
+        allowed_here = [[o.option for o in block if o.pool_bytes == 0 or o.pool_bytes in subset] for block in options]
+        found = _optimise(chain, budget, allowed_here, sum(subset))
+        if found is not None and (best is None or found[0] < best[0]):
+            best = found
+    return None if best is None else best[1]
+
+
+def _optimise(
+    chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]], pool: int
+) -> tuple[tuple[tuple[float, int], int], list[str]] | None:
+    """:func:`optimise` with ``pool`` bytes charged at every event after the chain's start: ((cost, Q), names)."""
     blocks = chain.blocks
     n = len(blocks)
     options = _options(chain, allowed)
     budget -= reserved_bytes(chain)
-    if max(chain.pre_forward_peak, chain.pre_backward_peak) > budget:
+    if chain.pre_forward_peak > budget or chain.pre_backward_peak + pool > budget:
         return None
+    budget -= pool
     limit = budget - chain.entry_bytes
     suffix = _suffix_gradients(blocks)
     # state: option index of the current block -> list of (Q, seconds, path)
@@ -227,8 +271,8 @@ def optimise(chain: ChainCosts, budget: int, allowed: Sequence[Sequence[str]] | 
         finals += [(cost, q + end, path) for q, cost, path in front if q + end <= limit]
     if not finals:
         return None
-    _, _, path = min(finals, key=lambda item: (item[0], item[1]))
-    return [options[i][k].option for i, k in enumerate(path)]
+    cost, q, path = min(finals, key=lambda item: (item[0], item[1]))
+    return (cost, q + pool), [options[i][k].option for i, k in enumerate(path)]
 
 
 def _count(option: OptionCost) -> int:

@@ -614,10 +614,16 @@ def plan_memory(
     inputs, activations, gradients; no optimizer step, whose state is the optimizer's), and the plan keeps no margin
     below ``budget``: over the sweeps of ``tests/runtime/planner/test_accuracy.py`` and
     ``benchmarks/planner_accuracy.py`` the measured peak was within 0.1% of the prediction and never above the budget
-    (the few-bit tables every block could carry are reserved in full, :func:`.model.reserved_bytes`). What the
+    (the few-bit tables every block could carry are reserved in full, :func:`.model.reserved_bytes`; offload's
+    staging buffer for packed tensors once per step from the chain's start, :func:`.model.pool_bytes`, exact for the
+    first step after ``apply``, above later ones, whose buffer exists before the step). What the
     prediction cannot see: scratch space inside an operator (on CUDA the allocator's peak, ``cuda_peak_bytes``, is
     above it) and blocks whose work depends on data; give such a model a lower budget. The predicted step time is
-    the measured plain step plus each block's measured extra time alone, medians on the profiling machine's load.
+    the measured plain step plus each block's measured extra time alone, medians on the profiling machine's load:
+    exact where time is the operators run (``test_step_time_model_is_exact_where_time_is_operators``); on a real
+    machine the cost of an operator differs in a chain and alone, and load moves both, so it is an estimate (the
+    ratio to the unconverted step measured 0.85-1.13x of the prediction on a heavily loaded 2-core machine,
+    ``benchmarks/planner_accuracy.py``). No margin is kept for time.
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"plan_memory takes a torch.nn.Module, got {type(model).__name__}")

@@ -30,7 +30,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 
 from ...errors import FewBitError
 from .. import memory
-from ..blockrun import first_tensor, run_block, synchronize, training_state_kept
+from ..blockrun import block_input, first_tensor, run_block, synchronize, training_state_kept
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
@@ -306,9 +306,9 @@ class _Measure:
         return apply_option(holder, "block", option, self.settings)
 
     def step(self, module: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool) -> None:
-        leaf = args[0].detach().requires_grad_(needs_grad)
+        _, inp = block_input(args[0], needs_grad=needs_grad)
         with option_region(option, self.settings):
-            output = module(leaf.view_as(leaf), *args[1:], **kwargs)
+            output = module(inp, *args[1:], **kwargs)
         hidden = first_tensor(output)
         hidden.backward(torch.ones_like(hidden))
 
@@ -333,6 +333,7 @@ class _Measure:
             "gradient_bytes": run.gradient_bytes,
             "saved_bytes": run.saved_bytes,
             "offloaded_bytes": run.region.bytes,
+            "pool_bytes": run.region.pool_bytes,
         }
 
         def timed_step() -> None:

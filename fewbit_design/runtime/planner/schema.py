@@ -44,7 +44,7 @@ APPROXIMATE_CHOICES = ("if-needed", "allowed")
 #: own budget gives the same plan)
 APPROXIMATE_DEFAULT = "allowed"
 OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
-OPTION_OPTIONAL = ("resident_bytes", "spread")  # absent in plans saved before they existed (0)
+OPTION_OPTIONAL = ("resident_bytes", "spread", "pool_bytes")  # absent in plans saved before they existed (0)
 BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
 CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
 #: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
@@ -103,6 +103,7 @@ def _check_option(where: str, option: Any) -> None:
     check_number(f"{where}.seconds", option.seconds, low=0)
     check_integer(f"{where}.resident_bytes", option.resident_bytes, low=0)
     check_number(f"{where}.spread", option.spread, low=0)
+    check_integer(f"{where}.pool_bytes", option.pool_bytes, low=0)
 
 
 def _check_costs(chain: str, costs: Any) -> None:

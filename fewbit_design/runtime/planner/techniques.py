@@ -111,7 +111,8 @@ def check_choices(
 
 
 class option_region(ExitStack):  # noqa: N801  (a context manager used like a function)
-    """The region seams of ``option`` entered around one block's run; ``bytes`` is what left memory."""
+    """The region seams of ``option`` entered around one block's run; ``bytes`` is what left memory, ``pool_bytes``
+    what the regions keep for reuse after it (buffers a chain's blocks share: offload's staging pool)."""
 
     def __init__(self, option: str, settings: Mapping[str, Any]) -> None:
         super().__init__()
@@ -126,6 +127,10 @@ class option_region(ExitStack):  # noqa: N801  (a context manager used like a fu
     @property
     def bytes(self) -> int:
         return sum(int(getattr(s, "bytes", 0)) for s in self._stats)
+
+    @property
+    def pool_bytes(self) -> int:
+        return sum(int(getattr(s, "pool_bytes", 0)) for s in self._stats)
 
 
 def charge(cost: Any, option: str, facts: Mapping[str, int]) -> Any:

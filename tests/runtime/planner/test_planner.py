@@ -17,7 +17,7 @@ from fewbit_design.runtime.planner.model import BlockCosts, ChainCosts, OptionCo
 
 
 # --- the optimiser, on random instances -----------------------------------------------------------------------
-def _random_chain(rng: random.Random, n: int) -> ChainCosts:
+def _random_chain(rng: random.Random, n: int, pools: bool = False) -> ChainCosts:
     sizes = [rng.choice([64, 128, 256, 512]) for _ in range(n + 1)]
     blocks = []
     for i in range(n):
@@ -32,6 +32,7 @@ def _random_chain(rng: random.Random, n: int) -> ChainCosts:
                     saves_input=rng.random() < 0.5,
                     saves_output=rng.random() < 0.5,
                     seconds=rng.choice([0.5, 1.0, 1.5, 2.0, 3.25]) * (1 + rng.random()),
+                    pool_bytes=rng.choice([0, 0, 300, 700]) if pools and k else 0,
                 )
             )
         blocks.append(BlockCosts(f"b{i}", sizes[i], sizes[i + 1], rng.randint(0, 500), tuple(options)))
@@ -70,6 +71,26 @@ def test_optimiser_matches_brute_force(seed):
         result = replay(chain, choice)
         assert result.peak <= budget
         assert math.isclose(result.seconds, expected[0], rel_tol=1e-12), (got, expected)
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_optimiser_matches_brute_force_with_shared_pools(seed):
+    """Options whose region keeps a buffer for reuse (offload's staging pool for packed tensors): the step holds
+    one buffer per distinct size among the chosen options, whichever blocks chose them, so the peak is not a sum of
+    per-block terms; the optimiser enumerates the sets of sizes and stays exact against replay."""
+    rng = random.Random(3000 + seed)
+    chain = _random_chain(rng, rng.randint(1, 5), pools=True)
+    combos = list(itertools.product(*(b.options for b in chain.blocks)))
+    peaks = sorted(replay(chain, c).peak for c in combos)
+    for budget in {peaks[0] - 1, peaks[0], rng.choice(peaks), peaks[len(peaks) // 2], peaks[-1]}:
+        expected = _brute_force(chain, budget)
+        got = optimise(chain, budget)
+        assert (got is None) == (expected is None), (budget, got, expected)
+        if got is not None:
+            result = replay(chain, [block.option(name) for block, name in zip(chain.blocks, got, strict=True)])
+            assert result.peak <= budget
+            assert math.isclose(result.seconds, expected[0], rel_tol=1e-12), (got, expected)
+    assert minimum_budget(chain) == peaks[0]
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -289,6 +310,25 @@ def test_stock_causal_lm_with_its_cache_on_plans_and_trains(kind):
         loss.backward()
         optimizer.step()
         assert math.isfinite(loss.item())
+    # at a budget the unconverted model fits (issue 26): every block plain, and applying the plan changes nothing
+    for budget in (1.0, None, plans[0].unconverted_peak_bytes):
+        full = plans[0].replan(budget)
+        assert full.choices == ("plain",) * len(full.choices) and full.techniques_used() == set(), budget
+    applied, unchanged = full.apply(_stock_model(kind)), _stock_model(kind)
+    assert _structure(applied) == _structure(unchanged)
+    losses = []
+    for model in (applied, unchanged):
+        torch.manual_seed(1)  # the same dropout masks
+        losses.append(model(tokens, labels=tokens).loss)
+        losses[-1].backward()
+    assert torch.equal(losses[0], losses[1])
+    for (name, a), (_, b) in zip(applied.named_parameters(), unchanged.named_parameters(), strict=True):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def _structure(model: nn.Module) -> list[tuple[str, str, str]]:
+    """(name, module class, class of an instance-level forward: a wrapper) of every module."""
+    return [(n, type(m).__name__, type(m.__dict__.get("forward")).__name__) for n, m in model.named_modules()]
 
 
 # --- exact unless needed ---------------------------------------------------------------------------------------

@@ -1,7 +1,7 @@
 """The planner with offload's packing: saved tensors under ``offload_min_bytes`` are no floor once
-``offload_min_bytes=0, offload_pack_bytes=1 MiB`` packs them (one transfer per block)."""
+``offload_min_bytes=0, offload_pack_bytes=1 MiB`` packs them (one transfer per block), and the staging buffer the
+blocks share is charged once (:func:`fewbit_design.runtime.planner.model.pool_bytes`)."""
 
-import pytest
 import torch
 from torch import nn
 
@@ -13,13 +13,6 @@ def _blocks(count=16, width=64):
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.GELU()) for _ in range(count)])
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="open since merging the planner's accuracy fixes (branch s3-robust) with packing (s3-offload): the block "
-    "profile now counts the pooled staging buffer, alive after the offload region ends, as kept by the block "
-    "(offload: kept 256 KiB against plain's 128 KiB), so the planner sees no gain and plans plain; offload's own "
-    "packing tests (tests/runtime/offload/test_offload_pack.py) pass",
-)
 def test_small_saved_tensors_are_no_floor(one_torch_thread):
     blocks, width, batch = 16, 64, 512
     half_block = batch * width * 4  # each block saves its input and the GELU's input: 2 x 128 KiB, all < 1 MiB
@@ -35,6 +28,9 @@ def test_small_saved_tensors_are_no_floor(one_torch_thread):
     model = packed.apply(_blocks())
     measured = packed.measure(model, x, steps=1)
     assert measured["peak_bytes"] <= packed.predicted_peak_bytes
+    # regression: each block alone allocates the staging buffer of its pack, which stays in the region's pool, and
+    # was charged as kept by every block (16 x 256 KiB: no gain seen, the plan was plain); the chain reuses one
+    assert packed.predicted_peak_bytes - measured["peak_bytes"] <= 0.01 * measured["peak_bytes"]
     offloaded = sum(row["technique"] == "offload" for row in packed.rows())
     assert offloaded >= blocks - 1
     stats = model.fewbit_offload.stats
