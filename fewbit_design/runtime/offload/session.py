@@ -308,6 +308,8 @@ class Session:
         self._unpacked: set[int] = set()
         self._hint = list(order_hint or ())
         self._hint_index = {position: place for place, position in enumerate(self._hint)}
+        # upcoming records whose write was still in flight when prefetch wanted them: read once the write is done
+        self._wanted: set[int] = set()
         for device in probe:
             self._target_for(device)
 
@@ -532,6 +534,9 @@ class Session:
                 raise FewBitError(record.poisoned + "; the step's saved tensors are lost")
             if alias._version != record.version:
                 record.poisoned = _modified(record.layout)
+            elif job.done and record.position in self._wanted and record.fetch is None and record.kept is None:
+                self._wanted.discard(record.position)  # prefetch asked for it while it was being written
+                record.fetch = record.target.read(record.location, record.layout.nbytes, sync=False)
 
     # -- backward -------------------------------------------------------------------------------------------------
     def unpack(self, packed: Any) -> torch.Tensor:
@@ -619,6 +624,7 @@ class Session:
             candidates = [p for p in upcoming if p not in resident]
         else:
             candidates = schedule.prefetch_candidates(current, records.keys(), resident, self.depth)
+        self._wanted = {p for p in (upcoming or ()) if p in records and records[p].write is not None}
         for position in candidates:
             record = records[position]
             if record.poisoned is None:
