@@ -315,6 +315,10 @@ class _PeakMode(TorchDispatchMode):
         would silently be the eager model's.)"""
         return True
 
+    #: higher-order operators (``run_and_save_rng_state`` of a compiled checkpoint, ...) come here too: run as
+    #: any operator, their new outputs counted (the operators inside them are not seen one by one)
+    supports_higher_order_operators = True
+
     def __init__(self, result: Peak) -> None:
         super().__init__()
         self.result = result
