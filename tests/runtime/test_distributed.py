@@ -4,7 +4,8 @@ One launch of ``tests/runtime/distributed/train_step.py`` runs every (technique,
 record per case; each test here checks one record: the gradients after one step equal the single-process model's on
 the concatenated batch (float64; the tolerance and why are in the script's docstring), or are close to them for the
 technique that rounds stochastically. Every technique the planner can choose on the script's models has a
-``plan-<technique>`` case (a plan that uses it), and the one it cannot choose (the LM head) is converted directly.
+``plan-<technique>`` case (a plan that uses it), and the ones it cannot choose (the LM head, the compressed attention
+core) are converted directly.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import pytest
 SCRIPT = Path(__file__).parent / "distributed" / "train_step.py"
 #: the techniques the planner can choose on the script's models (each gets a plan case)
 PLANNED = ("norms", "gated", "blpa", "fewbit", "linear", "offload", "checkpoint")
-CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head") + tuple(f"plan-{t}" for t in PLANNED)
+CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head", "attention")
+CASES += tuple(f"plan-{t}" for t in PLANNED)
 WRAPPERS = ("ddp", "fsdp2")
 RELATIVE, ABSOLUTE = 1e-10, 1e-12
 #: compressed linear inputs round stochastically (8-bit group codes; the processes draw different random numbers),
@@ -68,7 +70,7 @@ def test_one_step_matches_single_process(results, case, wrapper):
         assert error["scale"] > 0, f"{key}: gradient of {name} is zero: the check would be empty"
         bound = relative * error["scale"] + ABSOLUTE
         assert error["max_abs"] <= bound, f"{key}: {name} differs by {error['max_abs']:.3g} > {bound:.3g}"
-    if case in ("fewbit", "blpa") or case in CLOSE:
+    if case in ("fewbit", "blpa", "attention") or case in CLOSE:
         assert record["approximate"] is True, key
     if record["approximate"]:  # the approximate gradients are really the approximate ones, not the exact ones
         assert record["differs_from_exact"] is True, key

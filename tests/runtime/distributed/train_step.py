@@ -13,9 +13,11 @@ directly; ``plan`` is a ``plan_memory`` plan (few-bit and checkpoint) of the MLP
 first of the test models where the planner can choose it (a tiny Hugging Face LLaMA, whose decoder layers hold
 the norms, gated MLPs and linear layers; a chain of BatchNorm -> ReLU -> Linear blocks; the MLPs), for every
 registered technique the planner can choose there; ``head`` converts the LLaMA with ``runtime.head.convert``,
-since the planner cannot choose the head (it is not inside any block of the chain). Rank 0 plans, and the plan is
-sent to every rank like a saved plan.json (timings differ between processes). The record ``choosable`` lists, per
-registered technique, the first test model where the planner can choose it (None: on none of them).
+since the planner cannot choose the head (it is not inside any block of the chain), and ``attention`` converts
+its attention cores with ``runtime.attention.convert`` (``convert(compress=K)`` applies it; not a plan option).
+Rank 0 plans, and the plan is sent to every rank like a saved plan.json (timings differ between processes). The
+record ``choosable`` lists, per registered technique, the first test model where the planner can choose it (None:
+on none of them).
 
 The reference is the single-process model on the concatenated batch, with the loss a mean over the batch: DDP
 and FSDP2 average the two ranks' gradients of their local means, which is the gradient of the global mean. The
@@ -50,8 +52,9 @@ BATCH = 8
 FEATURES = 12
 SEQUENCE, VOCABULARY = 16, 64
 _PLANS: dict[str, dict] = {}  # each plan case's plan, made once
-_APPROXIMATE = {"fewbit": True, "blpa": True}  # the cases whose gradients are approximate (plans: set by build)
-CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head")
+#: the cases whose gradients are approximate (plans: set by build)
+_APPROXIMATE = {"fewbit": True, "blpa": True, "attention": True}
+CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head", "attention")
 WRAPPERS = ("ddp", "fsdp2")
 #: the planner's options for the plan-<technique> cases (offload: every saved tensor, to the disk target)
 PLAN_OPTIONS = dict(budget="min", approximate="allowed", repeats=1, offload_min_bytes=0, offload_target="disk")
@@ -191,6 +194,8 @@ def build(case: str, batches: dict[str, torch.Tensor]) -> tuple[nn.Module, str, 
         return model, "runtime.offload.apply(min_bytes=0, target='disk')", "mlp"
     if case == "head":
         return runtime.head.convert(llama()), "runtime.head.convert", "llama"
+    if case == "attention":  # q, k, v kept as 8-bit codes, rounded to nearest: the same codes on every rank
+        return runtime.attention.convert(llama(), bits=8), "runtime.attention.convert(bits=8)", "llama"
     if case == "plan":
 
         def make() -> dict:  # planned for a larger batch, where activations dominate the peak
