@@ -10,6 +10,9 @@ every variant. Variants:
 * ``compressed8`` / ``compressed4``: the same with the gated-MLP op in compressed mode at K bits
   (``gated.convert(mode="compressed", bits=K)``) and K-bit saved inputs of every linear layer
   (``linear.convert(bits=K)``);
+* ``convert8`` / ``convert4`` (not run by default): ``runtime.convert(model, compress=K)``, what a user calls:
+  besides the above, the norms keep K-bit codes of their output (shared with the linear layers reading it) and the
+  attention cores keep K-bit codes of q, k, v (``runtime.attention``);
 * ``compressed8-nearest`` / ``compressed4-nearest`` (not run by default): the same with nearest rounding of the
   gated op's codes (``gated.convert(..., rounding="nearest")``; the linear layers keep stochastic rounding).
 
@@ -56,6 +59,12 @@ def apply(model: torch.nn.Module, variant: str) -> torch.nn.Module:
     activation), then norms and few-bit activations, then the linear layers' saved inputs."""
     if variant == "native":
         return model
+    if variant.startswith("convert"):
+        from fewbit_design import runtime
+
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)
+            return runtime.convert(model, compress=int(variant.removeprefix("convert")))
     name, _, rounding = variant.partition("-")
     bits = int(name.removeprefix("compressed")) if name.startswith("compressed") else None
     with warnings.catch_warnings():  # "nothing replaced" (GPT-2 has no gated MLP) is expected
@@ -128,6 +137,7 @@ def ordered(rows: list[dict], variants: str) -> list[dict]:
 def summary(rows: list[dict]) -> list[str]:
     """Per model and variant: each ratio's mean over seeds +- its spread (half the range), and the issue's test."""
     targets = {"compressed8": 1.01, "compressed4": 1.02, "compressed8-nearest": 1.01, "compressed4-nearest": 1.02}
+    targets.update(convert8=1.01, convert4=1.02)
     lines = ["mean over seeds +- spread (half the range); the issue's test is the mean held-out ratio:"]
     for kind in dict.fromkeys(row["model"] for row in rows):
         for variant in dict.fromkeys(row["variant"] for row in rows if row["model"] == kind):
