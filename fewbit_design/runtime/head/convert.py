@@ -100,6 +100,37 @@ class _Capture:
         return empty
 
 
+def _swap_in(head: torch.nn.Module, capture: _Capture) -> tuple[bool, Any]:
+    """Make ``head``'s forward ``capture``; returns what :func:`_swap_out` needs to undo it."""
+    had_forward = "forward" in head.__dict__
+    previous = head.__dict__.get("forward")
+    capture.inputs.clear()
+    capture.outputs.clear()
+    head.forward = capture
+    return had_forward, previous
+
+
+def _swap_out(head: torch.nn.Module, state: tuple[bool, Any]) -> None:
+    had_forward, previous = state
+    if had_forward:
+        head.forward = previous
+    else:
+        head.__dict__.pop("forward", None)
+
+
+_UNTRACED: dict[str, Callable] = {}
+
+
+def _untraced_swaps() -> dict[str, Callable]:
+    """:func:`_swap_in` and :func:`_swap_out` as functions ``torch.compile`` never traces (made once, eagerly: at
+    convert time). Setting and deleting a module's attribute inside a traced frame is replayed wrongly by dynamo
+    ('Linear' object has no attribute 'forward'); untraced, they are two graph breaks and the model's own forward
+    between them compiles as usual."""
+    if not _UNTRACED:
+        _UNTRACED.update({"in": torch.compiler.disable(_swap_in), "out": torch.compiler.disable(_swap_out)})
+    return _UNTRACED
+
+
 class _HeadForward:
     """The converted model's forward (a picklable, deep-copyable object: its model is an attribute)."""
 
@@ -107,6 +138,8 @@ class _HeadForward:
         self.model = model
         self.chunk_rows = chunk_rows
         self.previous = previous  # an instance forward that was there before (None: the class's)
+        # one capture for every call (empty between calls): a compiled forward guards on the head's forward object
+        self.capture = _Capture()
 
     def _original(self) -> Callable:
         return self.previous if self.previous is not None else type(self.model).forward.__get__(self.model)
@@ -120,23 +153,22 @@ class _HeadForward:
         bound.arguments["labels"] = None
         extra = bound.arguments.get("kwargs", {})
         head = _head(self.model)
-        capture = _Capture()
-        had_forward = "forward" in head.__dict__
-        previous_forward = head.__dict__.get("forward")
-        head.forward = capture
+        capture = self.capture
+        swaps = _UNTRACED or _untraced_swaps()
+        state = swaps["in"](head, capture)
         try:
             output = original(*bound.args[1:], **bound.kwargs)
         finally:
-            if had_forward:
-                head.forward = previous_forward
-            else:
-                del head.forward
-        if len(capture.inputs) != 1:
+            swaps["out"](head, state)
+        count = len(capture.inputs)
+        hidden = capture.inputs[0] if count == 1 else None
+        capture.inputs.clear()
+        capture.outputs.clear()
+        if hidden is None:
             raise FewBitError(
                 f"head.convert: {type(self.model).__name__}'s forward called its output embedding "
-                f"{len(capture.inputs)} times (expected once): use the unconverted model (head.remove)"
+                f"{count} times (expected once): use the unconverted model (head.remove)"
             )
-        hidden = capture.inputs[0]
         ignore_index = extra.get("ignore_index", -100)
         shifted = extra.get("shift_labels")
         if shifted is None:
@@ -197,6 +229,7 @@ def _convert_one(model: torch.nn.Module, chunk_rows: int | None) -> None:
     head = _head(model)
     inputs = model.get_input_embeddings() if callable(getattr(model, "get_input_embeddings", None)) else None
     scale, softcap = _logit_transform(model)
+    _untraced_swaps()
     model.forward = _HeadForward(model, chunk_rows, model.__dict__.get("forward"))
     model.head_report = HeadReport(
         model=type(model).__name__,

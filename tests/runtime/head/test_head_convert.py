@@ -170,3 +170,32 @@ def test_convert_refuses_what_it_cannot_handle():
     with pytest.raises(FewBitError, match="DoubledForCausalLM changes its logits after the output embedding"):
         convert(doubled)
     assert "forward" not in vars(doubled)
+
+
+@pytest.mark.parametrize("kind", ["llama", "gpt2"])
+def test_compiled_converted_model_equals_native_and_does_not_recompile(kind):
+    """Regression: under torch.compile the converted forward failed ('Linear' object has no attribute 'forward':
+    dynamo replayed the head's forward swap wrongly). Loss and gradients equal native's (compiled with inductor's
+    decompositions and partitioner), no logits, and later steps run the graphs of the first."""
+    from torch._dynamo.utils import counters
+
+    native = build(kind)
+    converted = convert(copy.deepcopy(native), chunk_rows=5)
+    compiled = torch.compile(converted, backend="aot_eager_decomp_partition")
+    input_ids, labels = batch()
+    expected = native(input_ids=input_ids, labels=labels)
+    expected.loss.backward()
+    torch._dynamo.reset()
+    counters.clear()
+    for step in range(3):
+        converted.zero_grad(set_to_none=True)
+        output = compiled(input_ids=input_ids, labels=labels)
+        output.loss.backward()
+        if step == 0:
+            frames = counters["stats"]["unique_graphs"]
+    assert counters["stats"]["unique_graphs"] == frames  # steps 2 and 3 compiled nothing new
+    assert output.logits is None
+    _close(output.loss, expected.loss)
+    for (name, want), got in zip(native.named_parameters(), converted.parameters(), strict=True):
+        if want.grad is not None:
+            _close(got.grad, want.grad)
