@@ -196,6 +196,6 @@ def test_compiled_converted_model_equals_native_and_does_not_recompile(kind):
     assert counters["stats"]["unique_graphs"] == frames  # steps 2 and 3 compiled nothing new
     assert output.logits is None
     _close(output.loss, expected.loss)
-    for (name, want), got in zip(native.named_parameters(), converted.parameters(), strict=True):
+    for want, got in zip(native.parameters(), converted.parameters(), strict=True):
         if want.grad is not None:
             _close(got.grad, want.grad)
