@@ -386,13 +386,11 @@ def memory_sharing_norm(
         bits: None (exact: keep the output), or 2..8: keep the output as that many bits of group codes
         group_size: values per (low, step) group of the codes (compressed mode)
     """
-    if bits is None:
+    if bits is None or not _needs_grad(x, weight, bias):
         return norm_and_kept_count(
             x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
         )[0]
     check_choice("norm kind", kind, KINDS)
-    if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))):
-        return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0]
     from ..linear.ops import share_codes
 
     bits, group_size, _ = check_options(bits, group_size, "stochastic")
@@ -419,9 +417,13 @@ def norm_and_kept_count(
     """:func:`memory_sharing_norm` and the number of channels kept (None when nothing is saved for backward, and
     a symbolic size under ``torch.compile``): the eager op knows it without another device sync."""
     check_choice("norm kind", kind, KINDS)
-    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias))
-    if not needs_grad:
+    if not _needs_grad(x, weight, bias):
         return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0], None
     static = -1 if capacity is None or weight is None else min(int(capacity), weight.numel())
     y, _, channels, _ = torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, static)
     return y, channels.shape[0]
+
+
+def _needs_grad(*tensors: torch.Tensor | None) -> bool:
+    """Whether autograd records this call (grad mode on and some input requires a gradient)."""
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
