@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError, check_bits, check_choice
-from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, memory_sharing_norm, norm_and_kept_count
+from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, norm_and_kept_count
 
 __all__ = ["MemorySharingNorm"]
 
@@ -71,17 +71,6 @@ class MemorySharingNorm(torch.nn.Module):
             )
         # torch.nn.RMSNorm's eps=None is the machine epsilon of the dtype it computes in (float32 for 16-bit input)
         eps = torch.finfo(_compute_dtype(x.dtype)).eps if self.eps is None else float(self.eps)
-        if getattr(self, "bits", None) is not None:  # compressed mode: approximate, codes shared with the linears
-            return memory_sharing_norm(
-                x,
-                self.weight,
-                self.bias,
-                kind=self.kind,
-                normalized_ndim=ndim,
-                eps=eps,
-                threshold=self.threshold,
-                bits=self.bits,
-            )
         compiling = torch.compiler.is_compiling()
         y, kept = norm_and_kept_count(
             x,
@@ -92,6 +81,7 @@ class MemorySharingNorm(torch.nn.Module):
             eps=eps,
             threshold=self.threshold,
             capacity=self.compiled_capacity if compiling else None,  # eager: exactly the channels that need it
+            bits=getattr(self, "bits", None),  # compressed mode: approximate, codes shared with the linears
         )
         if not compiling and kept is not None:  # counted for a later compile, from the op's own output shape
             self.compiled_capacity = max(self.compiled_capacity, int(kept))

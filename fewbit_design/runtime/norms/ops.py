@@ -305,21 +305,22 @@ def _norm_forward_compressed(
     bits: int,
     group_size: int,
     seed: torch.Tensor,
+    capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, rstd, channels, kept = _norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, -1)
+    y, rstd, channels, kept = _norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity)
     packed, scales = torch.ops.fewbit.group_quantize(y.detach(), bits, group_size, True, seed)
     return y, rstd, channels, kept, packed, scales
 
 
 @_norm_forward_compressed.register_fake
-def _(x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed):
-    y, rstd, channels, kept = _norm_forward_fake(x, weight, bias, kind, normalized_ndim, eps, threshold, -1)
+def _(x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, capacity):
+    y, rstd, channels, kept = _norm_forward_fake(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity)
     packed, scales = torch.ops.fewbit.group_quantize(y, bits, group_size, True, seed)
     return y, rstd, channels, kept, packed, scales
 
 
 def _setup_context_compressed(ctx, inputs, output) -> None:
-    x, weight, bias, kind, _, _, _, bits, group_size, _ = inputs
+    x, weight, bias, kind, _, _, _, bits, group_size, _, _ = inputs
     y, rstd, channels, kept, packed, scales = output
     ctx.mark_non_differentiable(rstd, channels, kept, packed, scales)
     ctx.save_for_backward(rstd, channels, kept, packed, scales, weight, bias)
@@ -339,6 +340,7 @@ def _backward_compressed(ctx, grad, *_):
         grad_x if ctx.needs_input_grad[0] else None,
         grad_weight if weight is not None and ctx.needs_input_grad[1] else None,
         grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
+        None,
         None,
         None,
         None,
@@ -386,21 +388,18 @@ def memory_sharing_norm(
         bits: None (exact: keep the output), or 2..8: keep the output as that many bits of group codes
         group_size: values per (low, step) group of the codes (compressed mode)
     """
-    if bits is None or not _needs_grad(x, weight, bias):
-        return norm_and_kept_count(
-            x, weight, bias, kind=kind, normalized_ndim=normalized_ndim, eps=eps, threshold=threshold, capacity=capacity
-        )[0]
-    check_choice("norm kind", kind, KINDS)
-    from ..linear.ops import share_codes
-
-    bits, group_size, _ = check_options(bits, group_size, "stochastic")
-    # the seed comes from torch's default CPU generator, as the compressed linears' (torch.manual_seed reproduces)
-    seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-    y, _, _, _, packed, scales = torch.ops.fewbit.norm_forward_compressed(
-        x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed
-    )
-    share_codes(y, (packed, scales), bits=bits, group_size=group_size, rounding="stochastic")
-    return y
+    return norm_and_kept_count(
+        x,
+        weight,
+        bias,
+        kind=kind,
+        normalized_ndim=normalized_ndim,
+        eps=eps,
+        threshold=threshold,
+        capacity=capacity,
+        bits=bits,
+        group_size=group_size,
+    )[0]
 
 
 def norm_and_kept_count(
@@ -413,6 +412,8 @@ def norm_and_kept_count(
     eps: float,
     threshold: float = DEFAULT_THRESHOLD,
     capacity: int | None = None,
+    bits: int | None = None,
+    group_size: int = GROUP_SIZE,
 ) -> tuple[torch.Tensor, int | None]:
     """:func:`memory_sharing_norm` and the number of channels kept (None when nothing is saved for backward, and
     a symbolic size under ``torch.compile``): the eager op knows it without another device sync."""
@@ -420,7 +421,20 @@ def norm_and_kept_count(
     if not _needs_grad(x, weight, bias):
         return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0], None
     static = -1 if capacity is None or weight is None else min(int(capacity), weight.numel())
-    y, _, channels, _ = torch.ops.fewbit.norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, static)
+    if bits is None:
+        y, _, channels, _ = torch.ops.fewbit.norm_forward(
+            x, weight, bias, kind, normalized_ndim, eps, threshold, static
+        )
+        return y, channels.shape[0]
+    from ..linear.ops import share_codes
+
+    bits, group_size, _ = check_options(bits, group_size, "stochastic")
+    # the seed comes from torch's default CPU generator, as the compressed linears' (torch.manual_seed reproduces)
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+    y, _, channels, _, packed, scales = torch.ops.fewbit.norm_forward_compressed(
+        x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, static
+    )
+    share_codes(y, (packed, scales), bits=bits, group_size=group_size, rounding="stochastic")
     return y, channels.shape[0]
 
 

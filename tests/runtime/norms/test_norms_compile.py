@@ -37,13 +37,13 @@ def _saved(model: torch.nn.Module, forward, ids: torch.Tensor) -> int:
     return saved.total
 
 
-def _measure(layers: int, convert: bool, compiled: bool) -> tuple[int, int]:
+def _measure(layers: int, convert: bool, compiled: bool, compress: int | None = None) -> tuple[int, int]:
     """(bytes one training step saves for backward, graphs dynamo made)."""
     model = _llama(layers)
     if convert:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            model = runtime.convert(model)
+            model = runtime.convert(model, compress=compress)
     graphs = []
 
     def backend(graph, inputs):
@@ -72,6 +72,13 @@ def test_compiled_converted_llama_is_one_graph_and_its_block_saves_less_than_com
     rows, hidden, intermediate, heads = BATCH * TOKENS, WIDTH, 88, 4
     activations = rows * (2 * intermediate + 6 * hidden) * 4
     assert activations <= two - one <= activations + (2 + heads) * rows * 4
+
+
+def test_compiled_compressed_norms_keep_one_graph():
+    """Regression: under compress=K the compressed norm op kept a data-dependent count of channels, so dynamo
+    broke the graph at every norm of a compiled compress=8 model (10 graphs for a 2-block LLaMA, 1 now)."""
+    _, graphs = _measure(2, convert=True, compiled=True, compress=8)
+    assert graphs == 1
 
 
 def test_static_count_keeps_extra_channels_exactly():
