@@ -234,13 +234,24 @@ def _distinct_bytes(tensors: list[torch.Tensor]) -> int:
     return sum({memory.storage_key(t): t.untyped_storage().nbytes() for t in tensors}.values())
 
 
+def _compile_counts() -> tuple[int, int]:
+    """(graphs built, graph breaks met) by dynamo so far in this process."""
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"], sum(counters["graph_break"].values())
+
+
 def prepare(candidate: Candidate, data: list[torch.Tensor], warmup: int) -> None:
     """Warm up (compiles), then measure one step's peak with gradients and Adam's state alive (as in training)."""
     candidate.optimizer = torch.optim.Adam(candidate.model.parameters(), lr=1e-3)
+    built = _compile_counts()
     for _ in range(max(warmup, 1)):  # at least one: Adam's state exists from the first optimizer step
         candidate.optimizer.zero_grad(set_to_none=True)
         candidate.step(data)
         candidate.optimizer.step()
+    if candidate.kind.startswith(("compiled", "plan-compiled")):
+        after = _compile_counts()
+        candidate.row.update(graphs=after[0] - built[0], graph_breaks=after[1] - built[1])
     candidate.optimizer.zero_grad(set_to_none=False)  # gradients alive and zero: the peak counts them once
     if not candidate.measure_peak:
         return
@@ -386,7 +397,8 @@ def done_when(rows: list[dict]) -> list[str]:
 COLUMNS = [
     "model", "dtype", "kind", "config", "techniques", "choices", "approximate_blocks", "activation_memory_budget",
     "budget_mib", "predicted_peak_mib", "peak_mib", "activation_mib", "peak_vs_eager", "activation_reduction",
-    "step_ms", "step_q1_ms", "step_q3_ms", "step_vs_eager", "step_vs_eager_q1", "step_vs_eager_q3", "note",
+    "step_ms", "step_q1_ms", "step_q3_ms", "step_vs_eager", "step_vs_eager_q1", "step_vs_eager_q3", "graphs",
+    "graph_breaks", "note",
 ]  # fmt: skip
 STYLE = {  # kind -> marker, colour, label
     "eager": ("s", "black", "eager (unconverted)"),

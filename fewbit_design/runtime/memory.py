@@ -163,27 +163,69 @@ def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[
     return _OneRegion("saved_bytes", _saved_bytes(model))
 
 
+class _Attribution:
+    """The module stack of one open :func:`saved_bytes` block with a model: ``names`` maps ``id(module)`` to its
+    qualified name in that model."""
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        self.names = {id(module): name for name, module in model.named_modules()}
+        self.stack: list[str] = []
+
+
+#: the open blocks that attribute bytes to modules (innermost last); the module hooks push and pop on each
+_ATTRIBUTING: list[_Attribution] = []
+
+
+def _push_module(module: torch.nn.Module, _inputs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for attribution in _ATTRIBUTING:
+        name = attribution.names.get(id(module))
+        if name is not None:
+            attribution.stack.append(name)
+
+
+def _pop_module(module: torch.nn.Module, _inputs: Any, _outputs: Any) -> None:
+    if torch.compiler.is_compiling():
+        return
+    for attribution in _ATTRIBUTING:
+        name = attribution.names.get(id(module))
+        if name is not None and attribution.stack and attribution.stack[-1] == name:
+            attribution.stack.pop()
+
+
+_GLOBAL_HOOKS: list[Any] = []
+
+
+def _hook_modules() -> None:
+    """Register :func:`_push_module` and :func:`_pop_module` as global module hooks, once per process: they stay
+    (a module call costs a look at :data:`_ATTRIBUTING`, empty outside a block), so no hook is ever added to or
+    removed from the measured model, and under ``torch.compile`` they do nothing. Registered per module at each
+    block, each with the module's name bound in, and removed at exit, they made a compiled model recompile: dynamo
+    guards on a module's hooks (their number, their ids) and on what a traced hook reads, so each measurement (new
+    hooks), each step after it (none) and each block of a chain (another name) failed the guards, and a chain of
+    more blocks than the recompile limit (8) ran its last blocks eagerly. (A compiled region's saves are attributed
+    to the module that was running when it was entered, as before: a compiled graph saves when it returns.)"""
+    if not _GLOBAL_HOOKS:
+        from torch.nn.modules import module as module_hooks
+
+        _GLOBAL_HOOKS.append(module_hooks.register_module_forward_pre_hook(_push_module))
+        _GLOBAL_HOOKS.append(module_hooks.register_module_forward_hook(_pop_module, always_call=True))
+
+
 @contextmanager
 def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
     result = SavedBytes()
     excluded: set[tuple[str, int]] = set()
+    attribution: _Attribution | None = None
     stack: list[str] = []
-    handles = []
     if model is not None:
         for tensor in list(model.parameters()) + list(model.buffers()):
             excluded.add(storage_key(tensor))
         by_module: defaultdict[str, int] = defaultdict(int)
-        for name, module in model.named_modules():
-
-            def pre_hook(_module, _inputs, _name=name):
-                stack.append(_name)
-
-            def post_hook(_module, _inputs, _outputs, _name=name):
-                if stack and stack[-1] == _name:
-                    stack.pop()
-
-            handles.append(module.register_forward_pre_hook(pre_hook))
-            handles.append(module.register_forward_hook(post_hook, always_call=True))
+        _hook_modules()
+        attribution = _Attribution(model)
+        stack = attribution.stack
 
     def count(tensor: torch.Tensor, packed: Any = None) -> None:
         """Count ``tensor``; ``packed`` is what the hooks below made of it (it stays in memory when that is a
@@ -227,12 +269,17 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
             count(tensor, packed)
             return packed
 
+    if attribution is not None:
+        _ATTRIBUTING.append(attribution)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield result
     finally:
-        for handle in handles:
-            handle.remove()
+        if attribution is not None:
+            for index in range(len(_ATTRIBUTING) - 1, -1, -1):
+                if _ATTRIBUTING[index] is attribution:
+                    del _ATTRIBUTING[index]
+                    break
         if model is not None:
             result.by_module = dict(by_module)
             exclusive: defaultdict[str, int] = defaultdict(int)

@@ -96,3 +96,66 @@ def test_peak_counts_a_compiled_checkpoint_with_random_operators():
         compiled(x).backward()
     assert p.peak_bytes >= 64 * 16 * 4  # at least the Linear's output existed
     assert x.grad is not None and torch.isfinite(x.grad).all()
+
+
+class _Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.up, self.act, self.down = torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(self.act(self.up(x)))
+
+
+class _Chain(torch.nn.Module):
+    def __init__(self, blocks: int) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(blocks))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x.square().mean()
+
+
+def _compiled_offloaded_chain(graphs: list) -> tuple[torch.nn.Module, object]:
+    """A converted model whose blocks compile one by one (offload's region is a graph break in the chain's loop, so
+    each block is a frame of the same code, as in a compiled plan) and a compiled step counting the graphs built."""
+    from fewbit_design.runtime import offload
+
+    def backend(graph_module, example_inputs):
+        graphs.append(graph_module)
+        return graph_module.forward
+
+    torch.manual_seed(0)
+    model = _Chain(blocks=3)
+    offload.apply(model, list(model.blocks), min_bytes=0, prefetch=0)
+    return model, torch.compile(model, backend=backend)
+
+
+def test_compiled_model_measured_twice_compiles_once():
+    """Regression: ``saved_bytes(model)`` registered a pre- and post-hook per module with the module's name bound in
+    (a default argument) and removed them at exit; dynamo guarded on that name in each compiled block, so every
+    block after the first recompiled (the recompile limit, 8, then sent a 12-block chain's last blocks to eager),
+    and so did each measurement. Three steps, two of them under ``saved_bytes`` and ``peak``, build exactly the
+    graphs that three unmeasured steps build."""
+    x = torch.randn(4, 16)
+    plain_graphs: list = []
+    model, step = _compiled_offloaded_chain(plain_graphs)
+    for _ in range(3):
+        step(x).backward()
+    torch._dynamo.reset()
+    graphs: list = []
+    model, step = _compiled_offloaded_chain(graphs)
+    totals = []
+    for index in range(3):
+        if index == 1:
+            step(x).backward()
+            continue
+        with memory.peak(model, x) as peak, memory.saved_bytes(model) as saved:
+            step(x).backward()
+        assert peak.peak_bytes > 0
+        totals.append(saved.total)
+    built = f"{len(graphs)} graphs built under measurement, {len(plain_graphs)} without"
+    assert len(graphs) == len(plain_graphs) > 0, built
+    assert totals[0] == totals[1]
