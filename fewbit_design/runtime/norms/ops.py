@@ -82,10 +82,9 @@ def forward_reference(
     compute = _compute_dtype(x.dtype)
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
     if kind == "layer_norm":
+        # 16-bit input and parameters: torch returns 16-bit statistics, the very rstd its own backward uses; kept
+        # widened to float32 (recomputing it in float32 cost a Tensor.var, ~10x the norm itself on CPU)
         y, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-        if rstd.dtype != compute:  # 16-bit input: torch keeps 16-bit statistics; backward gets float32 ones
-            flat = x.reshape(rows, -1).to(compute)
-            rstd = torch.rsqrt(flat.var(-1, unbiased=False) + eps)
         return y, rstd.reshape(rows).to(compute)
     if kind == "rms_norm":
         y, rstd = torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)
@@ -347,7 +346,10 @@ def _backward_fast(
         if bias is None:
             xhat = torch.mul(flat, inverse) if flat.dtype == compute else flat.to(compute).mul_(inverse)
         else:  # the subtraction first: y - b is exact where they are close (y = b gives xhat = 0 exactly)
-            xhat = torch.sub(flat, bias.detach().reshape(-1).to(compute)).mul_(inverse)
+            shift = bias.detach().reshape(-1).to(compute)
+            # 16-bit y: converted first, as mixed-dtype arithmetic is several times slower on CPU
+            xhat = torch.sub(flat, shift) if flat.dtype == compute else flat.to(compute).sub_(shift)
+            xhat.mul_(inverse)
         if channels.numel():
             xhat.index_copy_(1, channels, kept)
     centred = kind in CENTRED
@@ -366,12 +368,11 @@ def _backward_fast(
     if needs[0]:
         scale = rstd.reshape(rows, 1)
         if centred:
-            grad_x = torch.mul(d, scale) if x_dtype == compute else torch.empty_like(d, dtype=x_dtype).copy_(d * scale)
+            grad_x = d.mul_(scale)  # d is the kernel's own output
         else:  # rstd * (d + mean(dxhat)): mean(dxhat) = g @ w / width, a matrix-vector product
             mean = (g.mv(effective) if effective is not None else g.sum(-1)).div_(width).reshape(rows, 1)
             grad_x = torch.addcmul(mean * scale, d, scale)
-            grad_x = grad_x if x_dtype == compute else grad_x.to(x_dtype)
-        grad_x = grad_x.reshape(y.shape)
+        grad_x = grad_x.to(x_dtype).reshape(y.shape)
     if grad_weight is not None:
         grad_weight = grad_weight.to(weight.dtype).reshape(weight.shape)
     if grad_bias is not None:
