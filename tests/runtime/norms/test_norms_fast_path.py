@@ -145,3 +145,22 @@ def test_eager_and_compiled_norm_agree_and_keep_the_zero_channel():
     for what, eager, compiled in zip(("input", "weight", "bias"), *results, strict=True):
         assert torch.isfinite(eager).all(), what
         assert_gradient_close(compiled, eager, tolerance, f"{what} gradient, eager against compiled")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float64"])
+@pytest.mark.parametrize("affine", [True, False], ids=["affine", "no-affine"])
+def test_layer_norm_forward_is_torch_kernel_alone_in_every_dtype(dtype, affine):
+    # the regression: a bfloat16 LayerNorm recomputed float32 statistics in forward (a float32 copy of x and a
+    # Tensor.var, ~10x the norm itself on CPU); the forward is now torch's own fused kernel and nothing else full-size
+    rows, width = 6, 16
+    dtype = DTYPES[dtype]
+    weight = (torch.rand(width) + 0.5).to(dtype) if affine else None
+    bias = torch.randn(width).to(dtype) if affine else None
+    x = torch.randn(rows, width).to(dtype)
+    with _Dispatched() as forward:
+        y, rstd = ops.forward_reference(x, weight, bias, "layer_norm", 1, 1e-5)
+    passes = [name for name, sizes in forward.calls if rows * width in sizes]
+    assert passes == ["aten.native_layer_norm.default"], passes
+    assert rstd.dtype == (torch.float64 if dtype == torch.float64 else torch.float32) and rstd.shape == (rows,)
+    expected = 1 / (x.double().var(-1, unbiased=False) + 1e-5).sqrt()  # 16-bit: torch's rstd, rounded to 16 bits
+    assert torch.allclose(rstd.double(), expected, rtol=4 * torch.finfo(dtype).eps, atol=0)
