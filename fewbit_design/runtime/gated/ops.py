@@ -125,6 +125,11 @@ def _gated_mlp_op(
     activation: str,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, gate, up) for a 2-D x; fused layout (``w_up`` None): (y, gate and up side by side, an empty tensor)."""
+    return _forward_exact(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+
+
+def _forward_exact(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    """The body of the exact forward, custom op and eager fast path alike (see :func:`_gated_mlp_op`)."""
     fused = w_up is None
     if fused:
         kept = _linear(x, w_gate, b_gate)
@@ -160,27 +165,53 @@ def _gated_mlp_backward_op(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW_gate, db_gate, dW_up, db_up, dW_down, db_down) for 2-D tensors; dx is empty unless ``input_grad``,
     dW_up and db_up are empty in the fused layout (``w_up`` None: dW_gate and db_gate cover both halves)."""
+    grads = _backward_exact(grad, x, gate, up, w_gate, w_up, w_down, activation, (input_grad, True, True, True))
+    return tuple(x.new_empty(0) if g is None else g for g in grads)  # one empty each: outputs may not alias
+
+
+def _backward_exact(
+    grad: torch.Tensor,
+    x: torch.Tensor,
+    gate: torch.Tensor,
+    up: torch.Tensor,
+    w_gate: torch.Tensor,
+    w_up: torch.Tensor | None,
+    w_down: torch.Tensor,
+    activation: str,
+    needs: tuple[bool, bool, bool, bool],
+) -> tuple[torch.Tensor | None, ...]:
+    """The backward of the exact op: ``(dx, dW_gate, db_gate, dW_up, db_up, dW_down, db_down)``, None where not
+    computed; ``needs`` = (dx, db_gate, db_up, db_down) (the weight gradients are always computed).
+
+    The recomputed ``a = act(gate)`` becomes ``h = a * up`` in place once ``d_up = dh * a`` and the activation's
+    backward (ReLU reads ``a``) have used it, and ``dh * up`` is formed in ``dh``'s buffer: the same kernels on the same
+    values as native autograd (bitwise), two passes more than native's backward (act and the product: the price of
+    not keeping them) and no other allocation; bias sums only for the biases present."""
+    input_grad, need_b_gate, need_b_up, need_b_down = needs
     fused = w_up is None
     gate, up = _split(gate, up, fused)
     a = _activation(gate, activation)
-    h = a * up
-    grad_w_down = grad.t().mm(h)
-    del h  # backward's peak: a and the gradients, not the product as well
-    grad_b_down = grad.sum(0)
     grad_h = grad.mm(w_down)
     grad_up = grad_h * a
-    grad_gate = _activation_backward(grad_h * up, gate, a, activation)
+    grad_gate = _activation_backward(grad_h.mul_(up), gate, a, activation)
+    del grad_h
+    h = a.mul_(up)
+    grad_w_down = grad.t().mm(h)
+    del h, a  # backward's peak: the gradients, not the product as well
+    grad_b_down = grad.sum(0) if need_b_down else None
     if fused:
         grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
-        grad_x = grad_kept.mm(w_gate) if input_grad else x.new_empty(0)
-        return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), x.new_empty(0), x.new_empty(0), grad_w_down, grad_b_down
-    grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else x.new_empty(0)
+        del grad_gate, grad_up
+        grad_x = grad_kept.mm(w_gate) if input_grad else None
+        grad_b_kept = grad_kept.sum(0) if need_b_gate else None
+        return grad_x, grad_kept.t().mm(x), grad_b_kept, None, None, grad_w_down, grad_b_down
+    grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else None
     return (
         grad_x,
         grad_gate.t().mm(x),
-        grad_gate.sum(0),
+        grad_gate.sum(0) if need_b_gate else None,
         grad_up.t().mm(x),
-        grad_up.sum(0),
+        grad_up.sum(0) if need_b_up else None,
         grad_w_down,
         grad_b_down,
     )
@@ -233,6 +264,44 @@ def _backward(ctx, grad, *_):
 
 
 torch.library.register_autograd("fewbit::gated_mlp", _backward, setup_context=_setup_context)
+
+
+class _ExactGatedMLP(torch.autograd.Function):
+    """The exact op in eager mode: :func:`_forward_exact` and :func:`_backward_exact` without ``torch.library``'s
+    dispatch (under ``torch.compile`` the custom ops run instead: one graph); saves what the custom op saves."""
+
+    @staticmethod
+    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+        y, gate, up = _forward_exact(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
+        ctx.activation = activation
+        ctx.biases = (b_gate is not None, b_up is not None, b_down is not None)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        if torch.is_grad_enabled():
+            raise FewBitError(SECOND_ORDER_MESSAGE)
+        if grad is None:
+            return (None,) * 8
+        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        has_b_gate, has_b_up, has_b_down = ctx.biases
+        wanted = (needs[0], has_b_gate and needs[2], has_b_up and needs[4], has_b_down and needs[6])
+        grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = _backward_exact(
+            grad.contiguous(), x, gate, up, w_gate, w_up, w_down, ctx.activation, wanted
+        )
+        return (
+            grad_x,
+            grad_w_gate if needs[1] else None,
+            grad_b_gate,
+            grad_w_up if w_up is not None and needs[3] else None,
+            grad_b_up,
+            grad_w_down if needs[5] else None,
+            grad_b_down,
+            None,
+        )
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -305,7 +374,10 @@ def gated_mlp(
     leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
-            y, _, _ = torch.ops.fewbit.gated_mlp(rows, *weights, activation)
+            if torch.compiler.is_compiling():  # the custom op: one graph, fake kernels
+                y, _, _ = torch.ops.fewbit.gated_mlp(rows, *weights, activation)
+            else:  # eager: the same kernels without torch.library's dispatch
+                y = _ExactGatedMLP.apply(rows, *weights, activation)
         else:  # nothing to save: the same kernels without the custom op's dispatch
             y = gated_mlp_reference(rows, *weights, activation)
     return y.reshape(*leading, y.shape[-1])

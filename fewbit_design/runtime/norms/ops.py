@@ -82,10 +82,9 @@ def forward_reference(
     compute = _compute_dtype(x.dtype)
     rows = math.prod(x.shape[: x.dim() - normalized_ndim])
     if kind == "layer_norm":
+        # 16-bit input and parameters: torch returns 16-bit statistics, the very rstd its own backward uses; kept
+        # widened to float32 (recomputing it in float32 cost a Tensor.var, ~10x the norm itself on CPU)
         y, _, rstd = torch.native_layer_norm(x, shape, weight, bias, eps)
-        if rstd.dtype != compute:  # 16-bit input: torch keeps 16-bit statistics; backward gets float32 ones
-            flat = x.reshape(rows, -1).to(compute)
-            rstd = torch.rsqrt(flat.var(-1, unbiased=False) + eps)
         return y, rstd.reshape(rows).to(compute)
     if kind == "rms_norm":
         y, rstd = torch.ops.aten._fused_rms_norm(x, list(shape), weight, eps)
@@ -153,6 +152,32 @@ def _selected_channels(
     return torch.topk(order, capacity, largest=False).indices.sort().values
 
 
+def _forward_exact(
+    x: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    normalized_ndim: int,
+    eps: float,
+    threshold: float,
+    capacity: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(y, rstd, channels, kept)``: the output, the rows' rstd, the kept channels' indices and their xhat
+    (``[rows, k]``); the body of the exact forward, eager fast path and custom op alike."""
+    y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
+    rows = rstd.numel()
+    channels = _selected_channels(y.dtype, weight, bias, kind, threshold, capacity).to(x.device)
+    if channels.numel() == 0:
+        kept = torch.empty(rows, 0, dtype=rstd.dtype, device=x.device)
+    else:
+        flat = x.detach().reshape(rows, -1)
+        selected = flat[:, channels].to(rstd.dtype)
+        if kind in CENTRED:
+            selected = selected - flat.to(rstd.dtype).mean(-1, keepdim=True)
+        kept = selected * rstd.reshape(rows, 1)
+    return y, rstd, channels, kept
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Custom ops
 
@@ -168,18 +193,7 @@ def _norm_forward(
     threshold: float,
     capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    y, rstd = forward_reference(x, weight, bias, kind, normalized_ndim, eps)
-    rows = rstd.numel()
-    channels = _selected_channels(y.dtype, weight, bias, kind, threshold, capacity).to(x.device)
-    if channels.numel() == 0:
-        kept = torch.empty(rows, 0, dtype=rstd.dtype, device=x.device)
-    else:
-        flat = x.detach().reshape(rows, -1)
-        selected = flat[:, channels].to(rstd.dtype)
-        if kind in CENTRED:
-            selected = selected - flat.to(rstd.dtype).mean(-1, keepdim=True)
-        kept = selected * rstd.reshape(rows, 1)
-    return y, rstd, channels, kept
+    return _forward_exact(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity)
 
 
 @_norm_forward.register_fake
@@ -287,6 +301,106 @@ def _backward(ctx, grad, *_):
 
 
 _norm_forward.register_autograd(_backward, setup_context=_setup_context)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# Eager fast path (exact mode, not compiling): the same forward without torch.library's dispatch, and a backward in
+# three or four passes over the rows (reconstruct xhat, torch's fused LayerNorm backward kernel, scale by rstd) where
+# the reference takes about twelve. Under torch.compile the custom ops above run instead (one graph, fake kernels).
+
+
+def _backward_fast(
+    grad: torch.Tensor,
+    y: torch.Tensor,
+    rstd: torch.Tensor,
+    channels: torch.Tensor,
+    kept: torch.Tensor,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    kind: str,
+    x_dtype: torch.dtype,
+    needs: tuple[bool, bool, bool],
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The gradients of :func:`_backward_reference` (None where ``needs`` says so), from torch's fused kernel.
+
+    ``aten.native_layer_norm_backward`` given the reconstructed ``xhat`` as its input, mean 0 and rstd 1 computes
+    ``d = dxhat - mean(dxhat) - xhat * mean(dxhat * xhat)`` (``dxhat = g * w``), ``sum g * xhat`` and ``sum g`` in one
+    pass; the input gradient is ``rstd * d`` for a LayerNorm and ``rstd * (d + mean(dxhat))`` for an RMSNorm (no
+    centring term), one fused multiply-add. ``xhat = (y - b) * (1 / w)`` is one pass, two with a bias (the reciprocal
+    rounds once more than the reference's division: within the reconstruction's own rounding, tests/tolerances.py).
+    So three passes over the rows, four with a bias, against the reference's twelve."""
+    compute = rstd.dtype
+    rows = rstd.numel()
+    width = y.numel() // rows if rows else 0
+    if rows == 0 or width == 0:
+        grad_x, grad_weight, grad_bias = _backward_reference(grad, y, rstd, channels, kept, weight, bias, kind, x_dtype)
+        return (grad_x if needs[0] else None, grad_weight if needs[1] else None, grad_bias if needs[2] else None)
+    g = grad.reshape(rows, width).to(compute)
+    flat = y.detach().reshape(rows, width)
+    effective = None
+    if weight is None:
+        xhat = flat.to(compute)
+    else:
+        effective = _effective_weight(weight.detach(), kind, compute)
+        inverse = effective.reciprocal().index_fill_(0, channels, 0.0)  # kept channels: taken from `kept` below
+        if bias is None:
+            xhat = torch.mul(flat, inverse) if flat.dtype == compute else flat.to(compute).mul_(inverse)
+        else:  # the subtraction first: y - b is exact where they are close (y = b gives xhat = 0 exactly)
+            shift = bias.detach().reshape(-1).to(compute)
+            # 16-bit y: converted first, as mixed-dtype arithmetic is several times slower on CPU
+            xhat = torch.sub(flat, shift) if flat.dtype == compute else flat.to(compute).sub_(shift)
+            xhat.mul_(inverse)
+        if channels.numel():
+            xhat.index_copy_(1, channels, kept)
+    centred = kind in CENTRED
+    unit = torch.ones(rows, 1, dtype=compute, device=y.device)
+    d, grad_weight, grad_bias = torch.ops.aten.native_layer_norm_backward(
+        g,
+        xhat,
+        [width],
+        torch.zeros(rows, 1, dtype=compute, device=y.device),
+        unit,
+        effective,
+        None if bias is None else effective,  # only its shape and dtype are read (the bias gradient's)
+        [needs[0], needs[1] and weight is not None, needs[2] and bias is not None],
+    )
+    grad_x = None
+    if needs[0]:
+        scale = rstd.reshape(rows, 1)
+        if centred:
+            grad_x = d.mul_(scale)  # d is the kernel's own output
+        else:  # rstd * (d + mean(dxhat)): mean(dxhat) = g @ w / width, a matrix-vector product
+            mean = (g.mv(effective) if effective is not None else g.sum(-1)).div_(width).reshape(rows, 1)
+            grad_x = torch.addcmul(mean * scale, d, scale)
+        grad_x = grad_x.to(x_dtype).reshape(y.shape)
+    if grad_weight is not None:
+        grad_weight = grad_weight.to(weight.dtype).reshape(weight.shape)
+    if grad_bias is not None:
+        grad_bias = grad_bias.to(bias.dtype).reshape(bias.shape)
+    return grad_x, grad_weight, grad_bias
+
+
+class _ExactNorm(torch.autograd.Function):
+    """The exact op in eager mode: :func:`_forward_exact` and :func:`_backward_fast`, no ``torch.library`` dispatch.
+    Returns ``(y, channels)``; saves what the custom op saves (y shares its storage with the next layer's input)."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, kind, normalized_ndim, eps, threshold):
+        y, rstd, channels, kept = _forward_exact(x, weight, bias, kind, normalized_ndim, eps, threshold, -1)
+        ctx.mark_non_differentiable(channels)
+        ctx.save_for_backward(y, rstd, channels, kept, weight, bias)
+        ctx.kind, ctx.x_dtype = kind, x.dtype
+        return y, channels
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad, _):
+        y, rstd, channels, kept, weight, bias = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        grad_x, grad_weight, grad_bias = _backward_fast(
+            grad, y, rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype, (needs[0], needs[1], needs[2])
+        )
+        return grad_x, grad_weight, grad_bias, None, None, None, None
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -422,6 +536,9 @@ def norm_and_kept_count(
         return forward_reference(x, weight, bias, kind, normalized_ndim, eps)[0], None
     static = -1 if capacity is None or weight is None else min(int(capacity), weight.numel())
     if bits is None:
+        if static < 0 and not torch.compiler.is_compiling():  # eager: the same op without torch.library's dispatch
+            y, channels = _ExactNorm.apply(x, weight, bias, kind, normalized_ndim, eps, threshold)
+            return y, channels.shape[0]
         y, _, channels, _ = torch.ops.fewbit.norm_forward(
             x, weight, bias, kind, normalized_ndim, eps, threshold, static
         )
