@@ -132,10 +132,15 @@ def hf_attention_forward(
         or kwargs.get("output_attentions", False)
         or q_length != kv_length
     )
-    if uncovered:
+
+    def native() -> tuple[torch.Tensor, None]:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=caller, **kwargs
         )
+
+    caller = is_causal  # the caller's causal flag, as given
+    if uncovered:
+        return native()
     kv_repeat, enable_gqa = 1, False
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
@@ -158,10 +163,8 @@ def hf_attention_forward(
             kv_repeat=kv_repeat,
             enable_gqa=enable_gqa,
         )
-        if output is None:
-            return sdpa_attention_forward(
-                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
-            )
+        if output is None:  # not a case the op covers (its docstring): native SDPA, which keeps v
+            return native()
         return output.transpose(1, 2).contiguous(), None
     bits, group_size = options
     output = compressed_attention(

@@ -150,6 +150,16 @@ def _backward(ctx, grad: torch.Tensor, _grad_log_sum_exp: torch.Tensor | None):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _views(v: torch.Tensor, projected: torch.Tensor) -> bool:
+    """Whether ``v`` is a view of ``projected`` whose strides and offset hold for a recomputed ``projected`` (eager;
+    a linear's 3-D output may itself be a view of a 2-D product, so storages are compared, not bases)."""
+    return (
+        projected.is_contiguous()
+        and projected.storage_offset() == 0
+        and v.untyped_storage().data_ptr() == projected.untyped_storage().data_ptr()
+    )
+
+
 def value_recompute_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -179,7 +189,7 @@ def value_recompute_attention(
     if mask is not None and mask.requires_grad:
         return None
     x, projected = recipe
-    if not torch.compiler.is_compiling() and v._base is not projected:  # eager: v must be a view of that output
+    if not torch.compiler.is_compiling() and not _views(v, projected):
         return None
     if v.dtype != projected.dtype or v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
         return None
