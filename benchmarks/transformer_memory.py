@@ -21,6 +21,7 @@ native eager in the same run.
 
     python benchmarks/transformer_memory.py                       # llama and gpt2
     python benchmarks/transformer_memory.py --families llama mistral qwen2 phi3 gemma gpt2
+    python benchmarks/transformer_memory.py --families llama-gqa   # LLaMA-3-style GQA (H_kv = H / 4, I = 3.5 H)
     python benchmarks/transformer_memory.py --quick               # smoke test: tiny sizes, no compile
     python benchmarks/transformer_memory.py --dtype bfloat16      # the model in bfloat16 (float16 too)
     python benchmarks/transformer_memory.py --variants exact+fewbit   # native and runtime.convert only
@@ -51,17 +52,22 @@ from fewbit_design import runtime  # noqa: E402
 from fewbit_design.runtime import memory, registry  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-FAMILIES = ("llama", "mistral", "qwen2", "phi3", "gemma", "gpt2")
+FAMILIES = ("llama", "llama-gqa", "mistral", "qwen2", "phi3", "gemma", "gpt2")
+HEADS = 4
 KIB = 1024.0
 
 
 def build(family: str, layers: int, width: int, vocab: int, seq: int) -> torch.nn.Module:
-    """A tiny causal LM of ``family`` (LLaMA-style intermediate size 8/3 x width, rounded to 8)."""
+    """A tiny causal LM of ``family`` (LLaMA-style intermediate size 8/3 x width, rounded to 8; ``llama-gqa``:
+    LLaMA-3-style, a quarter of the heads for keys and values and intermediate size 3.5 x width)."""
     intermediate = -(-(8 * width // 3) // 8) * 8
-    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=4, hidden_size=width)
+    kv_heads = HEADS
+    if family == "llama-gqa":
+        family, intermediate, kv_heads = "llama", -(-(7 * width // 2) // 8) * 8, HEADS // 4
+    common = dict(vocab_size=vocab, num_hidden_layers=layers, num_attention_heads=HEADS, hidden_size=width)
     if family == "gpt2":
         config = transformers.GPT2Config(
-            vocab_size=vocab, n_layer=layers, n_head=4, n_embd=width, n_positions=seq, use_cache=False
+            vocab_size=vocab, n_layer=layers, n_head=HEADS, n_embd=width, n_positions=seq, use_cache=False
         )
         config.attn_pdrop = config.resid_pdrop = config.embd_pdrop = 0.0
         config.bos_token_id = config.eos_token_id = 0  # inside the tiny vocabulary
@@ -78,7 +84,7 @@ def build(family: str, layers: int, width: int, vocab: int, seq: int) -> torch.n
     config = config_class(
         **common,
         intermediate_size=intermediate,
-        num_key_value_heads=4,
+        num_key_value_heads=kv_heads,
         max_position_embeddings=seq,
         use_cache=False,
         **extra,

@@ -7,6 +7,8 @@ Techniques, in registry order (:data:`fewbit_design.runtime.registry.REGISTRY`),
   statistics (:mod:`.norms.convert`; exact gradients);
 * ``gated`` (default on): gated MLPs ``down(act(gate(x)) * up(x))`` keep x, gate and up (:mod:`.gated.convert`;
   exact gradients);
+* ``attention`` (default on): Hugging Face SDPA attention cores keep the value projection's input (which q_proj and
+  k_proj keep anyway) instead of v and rebuild v in backward (:mod:`.attention.exact`; exact gradients);
 * ``activations`` (default on): the activation modules left keep b-bit codes of their derivative
   (:mod:`.fewbit.convert`, whose keywords ``bits``, ``weight``, ``mode``, ``filter``, ``tables``,
   ``only_if_smaller``, ``strict`` keep their meaning; approximate activation gradients);
@@ -69,10 +71,10 @@ REPORT_MESSAGE = (
 )
 
 #: the switch of each technique convert applies, by registry name
-SWITCHES = {"norms": "norms", "gated": "gated", "attention": "compress", "fewbit": "activations", "linear": "compress"}
-#: which gradients each technique makes approximate (None: exact up to rounding)
+SWITCHES = {"norms": "norms", "gated": "gated", "attention": "attention", "fewbit": "activations", "linear": "compress"}
+#: which gradients each technique makes approximate (None: exact up to rounding); the attention cores' only under
+#: compress=K
 APPROXIMATE = {
-    "attention": "gradients through compressed attention cores (K-bit q, k, v)",
     "fewbit": "activation gradients (few-bit tables)",
     "linear": "weight gradients of compressed linears",
 }
@@ -424,6 +426,8 @@ def _apply(name: str, model: torch.nn.Module, options: Mapping[str, Any]) -> tor
     if name == "attention":
         from .attention.convert import convert as attention_convert
 
+        if options["compress"] is None:
+            return attention_convert(model, mode="exact")
         return attention_convert(model, bits=options["compress"])
     if name == "fewbit":
         from .fewbit.convert import convert as fewbit_convert
@@ -470,6 +474,7 @@ def convert(
     compress: int | None = None,
     norms: bool = True,
     gated: bool = True,
+    attention: bool = True,
     activations: bool = True,
 ) -> torch.nn.Module:
     """Convert ``model`` in place with the memory techniques that pay off (see the module docstring); return it.
@@ -484,7 +489,8 @@ def convert(
         compress: None (default) or 2..8: linear layers keep that many bits of their input (approximate weight
             gradients), norms keep codes of their output, gated MLPs run the gated op's compressed mode and Hugging
             Face SDPA attention cores keep q, k and v, all at that many bits.
-        norms, gated, activations: switch the default techniques off one by one (``norms=False``).
+        norms, gated, attention, activations: switch the default techniques off one by one (``norms=False``);
+            ``attention`` covers both of its modes (exact by default, compressed under ``compress``).
 
     Every argument is checked first; the conversion is all or nothing (an error leaves the model as it was). The
     report is ``model.convert_report`` (:class:`ConvertReport`); the techniques' own reports stay where they were
@@ -499,7 +505,7 @@ def convert(
         "norms": check_boolean("norms", norms),
         "gated": check_boolean("gated", gated),
         "fewbit": check_boolean("activations", activations),
-        "attention": compress is not None,
+        "attention": check_boolean("attention", attention),
         "linear": compress is not None,
     }
     if compress is not None:
@@ -568,6 +574,8 @@ def _convert(
             approximate = APPROXIMATE.get(name)
             if name == "gated" and options["compress"] is not None:
                 approximate = f"gradients of gated MLPs (compressed mode, {options['compress']}-bit values)"
+            if name == "attention" and options["compress"] is not None:
+                approximate = f"gradients through compressed attention cores ({options['compress']}-bit q, k, v)"
             if name == "norms" and options["compress"] is not None:
                 approximate = f"gradients of norms (compressed mode, {options['compress']}-bit output codes)"
             entry = TechniqueReport(name, "off", approximate=approximate)

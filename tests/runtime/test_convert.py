@@ -26,19 +26,20 @@ HIDDEN, WIDTH, VOCAB, BATCH, TOKENS = 32, 64, 64, 2, 8
 OUTPUT_TOLERANCE = dict(rtol=1e-5, atol=1e-5)
 COMPILE_BACKEND = "aot_eager_decomp_partition"  # inductor's decompositions and partitioner, no code generation
 
-#: the techniques convert keeps per family (few-bit finds nothing in a gated MLP: the op took its activation)
+#: the techniques convert keeps per family (few-bit finds nothing in a gated MLP: the op took its activation; the
+#: exact attention core needs SDPA attention with a v_proj / qkv_proj linear)
 APPLIED = {
-    "llama": ("norms", "gated"),
-    "mistral": ("norms", "gated"),
-    "qwen2": ("norms", "gated"),
-    "phi3": ("norms", "gated"),
-    "gemma": ("norms", "gated"),
+    "llama": ("norms", "gated", "attention"),
+    "mistral": ("norms", "gated", "attention"),
+    "qwen2": ("norms", "gated", "attention"),
+    "phi3": ("norms", "gated", "attention"),
+    "gemma": ("norms", "gated", "attention"),
     "gpt2": ("norms", "fewbit"),
     "bert": ("norms", "fewbit"),
     "t5": ("norms", "gated"),
-    "vit": ("norms", "fewbit"),
+    "vit": ("norms", "attention", "fewbit"),
     "whisper": ("norms", "fewbit"),
-    "clip": ("norms", "fewbit"),
+    "clip": ("norms", "attention", "fewbit"),
 }
 
 

@@ -37,17 +37,23 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError
+from ...errors import FewBitError, check_choice
 from ..linear.nn import share_state
 from ..linear.quant import GROUP_SIZE, check_options
+from .exact import ValueLinear, take_recipe, value_recompute_attention
 from .ops import compressed_attention
 
 __all__ = ["convert", "AttentionReport", "hf_attention_forward", "IMPLEMENTATION"]
 
 #: the name registered in transformers' AttentionInterface
 IMPLEMENTATION = "fewbit_compressed"
-#: the attribute holding (bits, group_size) on a converted attention module
+#: the attribute holding the options on a converted attention module: (bits, group_size) in the compressed mode,
+#: ("exact", name of the value projection) in the exact mode
 OPTIONS = "fewbit_attention"
+#: the modes of :func:`convert`
+MODES = ("compressed", "exact")
+#: the names of the linear layer whose output v is a view of (``v_proj``, Phi-3's fused ``qkv_proj``)
+VALUE_PROJECTIONS = ("v_proj", "qkv_proj")
 
 
 @dataclass
@@ -55,24 +61,28 @@ class AttentionReport:
     """What :func:`convert` did.
 
     Attributes:
-        bits: the bits of the q, k, v codes
+        bits: the bits of the q, k, v codes (None in the exact mode)
         group_size: values per group
         replaced: qualified names and class of the attention modules converted
         skipped: names, class and reason of the attention modules left alone
         already: how many were converted already
+        mode: "compressed" or "exact"
     """
 
-    bits: int
+    bits: int | None
     group_size: int
     replaced: list[tuple[str, str]] = field(default_factory=list)
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     already: int = 0
+    mode: str = "compressed"
 
     def __str__(self) -> str:
-        lines = [
-            f"compressed {len(self.replaced)} attention core(s) ({self.bits}-bit q, k, v; groups of "
-            f"{self.group_size}), left {len(self.skipped)} alone"
-        ]
+        if self.mode == "exact":
+            head = f"{len(self.replaced)} attention core(s) rebuild v in backward (exact)"
+        else:
+            head = f"compressed {len(self.replaced)} attention core(s) ({self.bits}-bit q, k, v; groups of "
+            head += f"{self.group_size})"
+        lines = [f"{head}, left {len(self.skipped)} alone"]
         for original, count in Counter(original for _, original in self.replaced).items():
             lines.append(f"  {count} x {original}")
         for (original, reason), count in Counter((original, reason) for _, original, reason in self.skipped).items():
@@ -110,6 +120,9 @@ def hf_attention_forward(
     from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
 
     options = getattr(module, OPTIONS, None)
+    exact = options is not None and options[0] == "exact"
+    projection = getattr(module, options[1], None) if exact else None
+    recipe = take_recipe(projection)  # taken whatever runs next: no tensor kept past this call
     q_length, kv_length = query.shape[2], key.shape[2]
     uncovered = (
         options is None
@@ -119,11 +132,15 @@ def hf_attention_forward(
         or kwargs.get("output_attentions", False)
         or q_length != kv_length
     )
-    if uncovered:
+
+    def native() -> tuple[torch.Tensor, None]:
         return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
+            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=caller, **kwargs
         )
-    bits, group_size = options
+
+    caller = is_causal  # the caller's causal flag, as given
+    if uncovered:
+        return native()
     kv_repeat, enable_gqa = 1, False
     groups = getattr(module, "num_key_value_groups", 1)
     if groups > 1:
@@ -133,6 +150,23 @@ def hf_attention_forward(
             kv_repeat = groups
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
+    if exact:
+        output = value_recompute_attention(
+            query,
+            key,
+            value,
+            attention_mask,
+            recipe,
+            projection,
+            scale=scaling,
+            is_causal=is_causal,
+            kv_repeat=kv_repeat,
+            enable_gqa=enable_gqa,
+        )
+        if output is None:  # not a case the op covers (its docstring): native SDPA, which keeps v
+            return native()
+        return output.transpose(1, 2).contiguous(), None
+    bits, group_size = options
     output = compressed_attention(
         query,
         key,
@@ -176,27 +210,41 @@ def _dropout(module: torch.nn.Module) -> float:
     return max(float(probability or 0.0), float(getattr(layer, "p", 0.0) or 0.0))
 
 
+def _value_projection(module: torch.nn.Module) -> str | None:
+    """The name of the child linear that makes v (:data:`VALUE_PROJECTIONS`, a plain ``nn.Linear``), or None."""
+    for name in VALUE_PROJECTIONS:
+        if type(module._modules.get(name)) is torch.nn.Linear:
+            return name
+    return None
+
+
 def convert(
     model: torch.nn.Module,
     bits: int = 8,
     *,
+    mode: str = "compressed",
     group_size: int = GROUP_SIZE,
     filter: Callable[[str, torch.nn.Module], bool] | None = None,
 ) -> torch.nn.Module:
-    """Run the SDPA attention cores of ``model`` through the compressed op (in place: each attention module is
-    replaced at its places by a converted copy); returns the model with the report as ``model.attention_report``.
+    """Run the SDPA attention cores of ``model`` through the compressed op, or the exact op that rebuilds v (in
+    place: each attention module is replaced at its places by a converted copy); returns the model with the report
+    as ``model.attention_report``.
 
     Args:
-        bits: bits of the q, k, v codes, 2 to 8.
+        bits: bits of the q, k, v codes, 2 to 8 (compressed mode; not read in the exact mode).
+        mode: "compressed" (K-bit codes of q, k, v; approximate gradients) or "exact" (native SDPA that keeps the
+            value projection's input, shared with q_proj and k_proj, instead of v: :mod:`.exact`; exact gradients;
+            attention modules without a ``v_proj`` / ``qkv_proj`` linear are left alone).
         group_size: values per (low, step) pair along the head dimension.
         filter: ``filter(name, module) -> bool``; only attention modules it accepts are converted.
     """
+    mode = check_choice("mode", mode, MODES)
     bits, group_size, _ = check_options(bits, group_size, "nearest")
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
-    report = AttentionReport(bits, group_size)
+    report = AttentionReport(bits if mode == "compressed" else None, group_size, mode=mode)
     decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
 
     def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
@@ -224,13 +272,26 @@ def convert(
                     "core has no dropout)",
                 )
             )
+        elif implementation == "sdpa" and mode == "exact" and _value_projection(module) is None:
+            report.skipped.append(
+                (
+                    name,
+                    kind,
+                    f"no value projection ({' / '.join(VALUE_PROJECTIONS)}, a torch.nn.Linear): v cannot be rebuilt",
+                )
+            )
         elif implementation == "sdpa" and (filter is None or filter(name, module)):
             _register()
             replacement = share_state(module, type(module))
             replacement.config = copy.copy(module.config)
             # the copy's own name only: its sub-configs are the original's objects, left as they are
             replacement.config._attn_implementation_internal = IMPLEMENTATION
-            setattr(replacement, OPTIONS, (bits, group_size))
+            if mode == "exact":
+                projection = _value_projection(module)
+                replacement._modules[projection] = share_state(module._modules[projection], ValueLinear)
+                setattr(replacement, OPTIONS, ("exact", projection))
+            else:
+                setattr(replacement, OPTIONS, (bits, group_size))
             report.replaced.append((name, kind))
         decided[id(module)] = replacement
         return replacement

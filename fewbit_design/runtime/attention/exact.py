@@ -1,0 +1,208 @@
+"""The exact attention core that recomputes v: native SDPA forward and backward, with v rebuilt in backward from the
+value projection's input (which q_proj and k_proj keep anyway) instead of being kept.
+
+Terms. ``x`` is the attention module's input (the first norm's output), ``projection`` the linear layer producing v
+(``v_proj``, or a fused ``qkv_proj`` of which v is a slice), ``v`` a view (``view`` / ``transpose`` / slice) of
+``projection(x)``. Native SDPA keeps q, k, v, its output and the row log-sum-exp; the linears before it keep x. This
+op keeps q, k, x (shared with the linears: no new bytes), the output and the log-sum-exp: one hidden-sized tensor per
+token fewer than native (v; with ``repeat_kv`` GQA, the repeated k and v become the unrepeated k).
+
+* forward: the same SDPA kernel native runs (``torch._fused_sdp_choice`` must name the CPU flash kernel, as native
+  picks it for float CPU inputs without dropout; otherwise the caller runs native SDPA): bitwise native;
+* backward: ``v = linear(x, W, b)`` viewed with v's size, strides and offset (one matmul into a fresh buffer, freed
+  when the backward returns), then native's own backward kernel on the same tensors: gradients equal to native up to
+  the matmul's determinism (bitwise on CPU). k and v repeated for GQA are summed back over each group's query heads,
+  as autograd sums ``repeat_kv``.
+
+Under ``torch.compile`` the op is opaque (custom op, fake kernels): the partitioner cannot keep v, since no backward
+node reads it.
+
+Custom ops (``torch.library``): ``fewbit::value_recompute_attention`` and its ``_backward``; entry point
+:func:`value_recompute_attention`; :class:`ValueLinear` is the projection that hands (x, its output) to the core.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .ops import _repeat
+
+__all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
+
+#: the attribute of a :class:`ValueLinear` holding (input, output) of its last forward until the core takes it
+RECIPE = "fewbit_recipe"
+
+
+class ValueLinear(torch.nn.Linear):
+    """``nn.Linear`` (same parameters, same state dict) that also leaves ``(input, output)`` of its forward on itself
+    for the attention core of its module to take (:func:`take_recipe`); nothing else changes."""
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        output = torch.nn.functional.linear(input, self.weight, self.bias)
+        setattr(self, RECIPE, (input, output))
+        return output
+
+
+def take_recipe(projection: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The (input, output) a :class:`ValueLinear` left, removed from it (so no tensor outlives the forward)."""
+    recipe = getattr(projection, RECIPE, None)
+    if recipe is not None:
+        setattr(projection, RECIPE, None)
+    return recipe
+
+
+def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask as native SDPA hands it to the kernel: a boolean mask (True = attend) as 0 / -inf of q's dtype. Made
+    here, in forward and again in backward, so that what is kept is the caller's mask (one boolean mask for every
+    layer), not a float copy per layer."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.where(mask.logical_not(), float("-inf"), 0.0).to(dtype)
+
+
+@torch.library.custom_op("fewbit::value_recompute_attention", mutates_args=())
+def _attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    scale: float | None,
+    is_causal: bool,
+    repeat: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    k, v = _repeat(k, repeat), _repeat(v, repeat)
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, is_causal, attn_mask=_kernel_mask(mask, q.dtype), scale=scale
+    )
+
+
+@_attention.register_fake
+def _(q, k, v, x, weight, bias, mask, scale, is_causal, repeat):
+    batch, heads, length, _ = q.shape
+    # the CPU kernel's layouts: the output follows q's, the log-sum-exp is (B, S, H) transposed
+    log_sum_exp = q.new_empty((batch, length, heads), dtype=torch.float32).transpose(1, 2)
+    return torch.empty_like(q), log_sum_exp
+
+
+@torch.library.custom_op("fewbit::value_recompute_attention_backward", mutates_args=())
+def _attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None,
+    output: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    mask: torch.Tensor | None,
+    v_size: list[int],
+    v_stride: list[int],
+    v_offset: int,
+    scale: float | None,
+    is_causal: bool,
+    repeat: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    # v = projection(x) seen through the forward's view of it: the one matmul this op adds
+    v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad,
+        q,
+        _repeat(k, repeat),
+        _repeat(v, repeat),
+        output,
+        log_sum_exp,
+        0.0,
+        is_causal,
+        attn_mask=_kernel_mask(mask, q.dtype),
+        scale=scale,
+    )
+    if repeat > 1:  # autograd of repeat_kv: the sum over each group's query heads
+        batch, heads, length, _ = k.shape
+        grad_k = grad_k.reshape(batch, heads, repeat, length, -1).sum(2)
+        grad_v = grad_v.reshape(batch, heads, repeat, length, -1).sum(2)
+    return grad_q, grad_k, grad_v
+
+
+@_attention_backward.register_fake
+def _(grad, q, k, x, weight, bias, output, log_sum_exp, mask, v_size, v_stride, v_offset, scale, is_causal, repeat):
+    return torch.empty_like(q), torch.empty_like(k), k.new_empty(v_size)
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    q, k, v, x, weight, bias, mask, scale, is_causal, repeat = inputs
+    ctx.save_for_backward(q, k, x, weight, bias, output[0], output[1], mask)
+    ctx.view = (list(v.size()), list(v.stride()), v.storage_offset())
+    ctx.options = (scale, is_causal, repeat)
+
+
+def _backward(ctx, grad: torch.Tensor, _grad_log_sum_exp: torch.Tensor | None):
+    q, k, x, weight, bias, output, log_sum_exp, mask = ctx.saved_tensors
+    scale, is_causal, repeat = ctx.options
+    grad_q, grad_k, grad_v = torch.ops.fewbit.value_recompute_attention_backward(
+        grad, q, k, x, weight, bias, output, log_sum_exp, mask, *ctx.view, scale, is_causal, repeat
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
+
+
+_attention.register_autograd(_backward, setup_context=_setup_context)
+
+
+def _views(v: torch.Tensor, projected: torch.Tensor) -> bool:
+    """Whether ``v`` is a view of ``projected`` whose strides and offset hold for a recomputed ``projected`` (eager;
+    a linear's 3-D output may itself be a view of a 2-D product, so storages are compared, not bases)."""
+    return (
+        projected.is_contiguous()
+        and projected.storage_offset() == 0
+        and v.untyped_storage().data_ptr() == projected.untyped_storage().data_ptr()
+    )
+
+
+def value_recompute_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None,
+    recipe: tuple[torch.Tensor, torch.Tensor] | None,
+    projection: torch.nn.Module,
+    *,
+    scale: float | None,
+    is_causal: bool,
+    kv_repeat: int,
+    enable_gqa: bool,
+) -> torch.Tensor | None:
+    """``F.scaled_dot_product_attention`` (no dropout, ``repeat_kv`` by ``kv_repeat`` or ``enable_gqa``) that keeps
+    the projection's input instead of v (module docstring); None where it does not apply (no gradient to compute,
+    no recipe, v not a view of the recipe's output, or native would not run the CPU flash kernel): the caller then
+    runs native SDPA.
+
+    Args:
+        q, k, v: (B, H, S, D), (B, H_kv, S, D), (B, H_kv, S, D)
+        mask: SDPA's mask or None
+        recipe: (x, projection(x)) from :func:`take_recipe`
+        projection: the linear whose weight and bias made v
+    """
+    if recipe is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
+        return None
+    if mask is not None and mask.requires_grad:
+        return None
+    x, projected = recipe
+    if not torch.compiler.is_compiling() and not _views(v, projected):
+        return None
+    if v.dtype != projected.dtype or v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
+        return None
+    # query heads per key/value head, repeated by this op as repeat_kv does (or SDPA under enable_gqa)
+    repeat = q.shape[1] // k.shape[1] if enable_gqa else kv_repeat
+    if q.shape[1] != k.shape[1] * repeat:
+        return None
+    # the kernel native picks (the choice reads shapes, dtypes and the mask: unrepeated k and v with enable_gqa ask
+    # the same question without the copy)
+    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=repeat > 1)
+    if choice != int(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return None
+    output, _ = torch.ops.fewbit.value_recompute_attention(
+        q, k, v, x, projection.weight, projection.bias, mask, scale, is_causal, repeat
+    )
+    return output
