@@ -126,9 +126,19 @@ class _CodesPlan(NamedTuple):
     tables: tuple  # the arguments beside x's (before the output)
     owners: tuple  # the table tensors, held so that their addresses (part of the key) are not reused
 
+    @property
+    def sixteen(self) -> bool:
+        """Whether the kernel reads x as uint16 bit patterns (float16 / bfloat16)."""
+        return self.layout in ("lut16", "threshold16")
+
     def arguments(self, flat: torch.Tensor, out_np: np.ndarray, y: torch.Tensor | None = None) -> tuple:
-        sixteen = self.layout in ("lut16", "threshold16")
+        sixteen = self.sixteen
         x_np = flat.view(torch.int16).numpy().view(np.uint16) if sixteen else flat.numpy()
+        return self.arguments_np(x_np, out_np, y)
+
+    def arguments_np(self, x_np: np.ndarray, out_np: np.ndarray, y: torch.Tensor | None = None) -> tuple:
+        """:meth:`arguments` for x already as the flat numpy array the kernel reads (uint16 where :attr:`sixteen`)."""
+        sixteen = self.sixteen
         if self.layout == "lut32":
             return (x_np.view(np.uint16), *self.tables[:-2], x_np, *self.tables[-2:], out_np)
         if self.layout.startswith("threshold"):  # y: written by relu_kernel only

@@ -5,6 +5,9 @@ forward), in every dtype, at sizes 0, 1, 7 and 2^k +- 1 around the block size (m
 run in a fast test).
 """
 
+import os
+import threading
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -381,3 +384,56 @@ def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kerne
     packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
     assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
     assert nonfinite == int((~torch.isfinite(x)).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 7, 63, 64, 65, 1023, 1025])
+@pytest.mark.parametrize("name", ["gelu", "silu", "tanh"])
+def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dtype):
+    # issue 22 (the fixed cost of a call): small inputs take _forward_two_passes, which reads x through numpy (a copy
+    # only where x is not contiguous) and writes the codes into numpy memory shared with torch
+    table = random_table(bits=3, seed=21)
+    tensors = op.table_tensors(table)
+    boundaries, _ = tensors.for_input(dtype)
+    wide = sample(2 * numel, dtype, seed=numel)
+    for x in (wide[:numel], wide[::2], wide.reshape(-1, 2)[:, 0] if numel else wide):
+        x = x.clone() if x.is_contiguous() else x
+        x[:: max(1, numel // 3)] = float("nan") if numel > 3 else x[:: max(1, numel // 3)]
+        y, packed, record = backends.forward_numba(x, NATIVES[name], boundaries, tensors.interval_codes, 3)
+        assert same_bits(y, NATIVES[name](x))
+        assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+        expected = op.nonfinite_record(x)
+        if expected is None:
+            assert record is None
+        else:
+            assert torch.equal(record[0], expected[0]) and same_bits(record[1], expected[1])
+
+
+def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
+    # issue 22 (the fixed cost of a call): backend_for read FEWBIT_BACKEND with os.environ.get on every forward and
+    # backward (1-2 us: the key is encoded each time); it now probes os.environ's own mapping, so a change still takes
+    # effect at the next call
+    reads = []
+    real_getitem = type(os.environ).__getitem__
+
+    def getitem(self, key):
+        if key == op.BACKEND_ENV:
+            reads.append(key)
+        return real_getitem(self, key)
+
+    table = random_table(bits=3, seed=22)
+    x = sample(100, torch.float32).requires_grad_()
+    monkeypatch.delenv(op.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(type(os.environ), "__getitem__", getitem)
+    y = op.fewbit_activation(x, F.gelu, op.table_tensors(table))
+    torch.autograd.grad(y, x, torch.ones_like(y))
+    assert op.backend_for(torch.device("cpu")) == "numba"
+    assert reads == []
+    monkeypatch.setenv(op.BACKEND_ENV, "reference")
+    assert op.backend_for(torch.device("cpu")) == "reference"
+    # a thread that never entered use_backend sees the environment too (the thread-local's class default)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(op.backend_for(torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert seen == ["reference"]
