@@ -8,6 +8,7 @@ run in a fast test).
 import os
 import threading
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -437,3 +438,28 @@ def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
     thread.start()
     thread.join()
     assert seen == ["reference"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits, boundaries", [(1, 2), (2, 3), (3, 9), (3, 12), (4, 12)])
+def test_16_bit_steps_kernel_on_every_pattern_is_the_reference(dtype, bits, boundaries):
+    # issue 22 (bfloat16 forward): 16-bit tables with at most STEPS_BOUNDARIES boundaries compare the pattern's
+    # signed key with one key per boundary (vectorised) instead of a 65536-entry lookup per element: every pattern
+    # (NaN, +-inf, -0, subnormals) at sizes that end inside a chunk and inside a group of 8
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    for seed in range(3):
+        tensors = op.table_tensors(random_table(bits=bits, boundaries=boundaries, seed=seed))
+        used, _ = backends._codes_kernel(patterns, tensors.boundaries32, tensors.interval_codes, bits, None)
+        assert "steps16" in used.__name__
+        for x in (patterns, patterns[:4099], patterns[-7:], patterns[:1]):
+            packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
+            assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+            assert nonfinite == int((~torch.isfinite(x)).sum())
+
+
+def test_16_bit_steps_keys_refuse_a_table_they_cannot_reproduce():
+    # the keys are checked on all patterns against the exact table; a table whose codes are no sum of per-boundary
+    # steps of the key order (here: a made-up LUT) falls back to the lookup kernel
+    lut = np.zeros(65536, dtype=np.uint8)
+    lut[::2] = 1
+    assert _cpu_tables._steps_keys16(torch.bfloat16, lut, np.array([0.0], np.float32), np.array([0, 1])) is None
