@@ -421,33 +421,40 @@ def _nonfinite_positions(flat: torch.Tensor, offset: int) -> tuple[torch.Tensor,
     return torch.nonzero(mask).reshape(-1) + offset, flat[mask]
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (``detach`` only where it records autograd: each torch call is ~1 us of the fixed
+    cost of a small call)."""
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+
+
 def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
     """numba CPU kernel of :func:`scale_reference` (bitwise equal)."""
-    if grad.device.type != "cpu":
+    if not grad.is_cpu:
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {grad.device}")
-    _check_packed(packed, bits, grad.numel())
-    if grad.numel() == 0:
+    numel = grad.numel()
+    _check_packed(packed, bits, numel)
+    if numel == 0:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     kernels = _numba_kernels()
-    kernel = kernels.unpack_scale(bits)
-    flat = _flat_contiguous(grad)
-    numel = flat.numel()
-    levels_np = levels.detach().cpu().numpy()
-    packed_np = packed.detach().numpy()
-    if flat.dtype == levels.dtype:
-        out = _empty_cpu(numel, flat.dtype)
-        kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
-        return out.reshape(grad.shape)
+    levels_np = _numpy(levels.cpu())
+    packed_np = _numpy(packed)
+    detached = grad.detach()
+    if grad.dtype == levels.dtype:
+        # grad through numpy (flattened there, copied only where grad is not contiguous), as the forward reads x
+        grad_np = np.ascontiguousarray(detached.numpy().reshape(-1))
+        out = _empty_cpu(numel, grad.dtype)
+        kernels.run(kernels.unpack_scale(bits), numel, grad_np, packed_np, levels_np, out.numpy())
+        return out.view(grad.shape)
     # float16 / bfloat16 gradients: read and written as 16-bit patterns, computed in float32 in the kernel and
     # rounded once as torch rounds (no float32 copy of the gradient: issue 20.14's memory, issue 22's two passes)
     out = torch.empty(numel, dtype=grad.dtype)
     bfloat = grad.dtype == torch.bfloat16
     kernel = kernels.unpack_scale16(bits, bfloat)
     decode = _FLOAT16_VALUES if bfloat else _float16_values()
-    grad_bits = flat.view(torch.int16).numpy().view(np.uint16)
+    grad_bits = np.ascontiguousarray(detached.view(torch.int16).numpy().reshape(-1)).view(np.uint16)
     out_bits = out.view(torch.int16).numpy().view(np.uint16)
     kernels.run(kernel, numel, grad_bits, packed_np, levels_np, decode, out_bits)
-    return out.reshape(grad.shape)
+    return out.view(grad.shape)
 
 
 _FLOAT16_VALUES = np.zeros(1, dtype=np.float32)  # bfloat16 needs no table (its value is the pattern << 16)

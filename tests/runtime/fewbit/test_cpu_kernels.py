@@ -463,3 +463,24 @@ def test_16_bit_steps_keys_refuse_a_table_they_cannot_reproduce():
     lut = np.zeros(65536, dtype=np.uint8)
     lut[::2] = 1
     assert _cpu_tables._steps_keys16(torch.bfloat16, lut, np.array([0.0], np.float32), np.array([0, 1])) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 7, 63, 65, 4097])
+def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel):
+    # issue 22 (the fixed cost of a call): scale_numba reads the gradient through numpy (flattened there, copied only
+    # where it is not contiguous): a 1-D strided gradient stays strided through reshape, so it must be copied
+    tensors = op.table_tensors(random_table(bits=3, seed=23))
+    _, levels = tensors.for_input(dtype)
+    x = sample(numel, torch.float32, seed=1)
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    wide = sample(2 * numel, dtype, seed=2)
+    for grad in (wide[::2], wide[:numel].clone(), wide.reshape(-1, 2)[:, 1] if numel else wide[:0]):
+        result = backends.scale_numba(grad, packed, levels, 3)
+        assert same_bits(result, op.scale_reference(grad, packed, levels, 3))
+    if numel == 4097:
+        grid = sample(2 * 4097, dtype, seed=3).reshape(17, 482)[:, ::2]  # 2-D, non-contiguous
+        packed = op.quantize_reference(
+            sample(grid.numel(), torch.float32), tensors.boundaries32, tensors.interval_codes, 3
+        )
+        assert same_bits(backends.scale_numba(grid, packed, levels, 3), op.scale_reference(grid, packed, levels, 3))
