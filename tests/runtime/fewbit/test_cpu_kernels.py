@@ -14,6 +14,7 @@ import torch
 import torch.nn.functional as F
 from test_runtime_ops import random_table
 
+from fewbit_design.runtime._packing import pack_reference
 from fewbit_design.runtime.fewbit import _cpu_tables, backends
 from fewbit_design.runtime.fewbit import ops as op
 
@@ -484,3 +485,21 @@ def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel)
             sample(grid.numel(), torch.float32), tensors.boundaries32, tensors.interval_codes, 3
         )
         assert same_bits(backends.scale_numba(grid, packed, levels, 3), op.scale_reference(grid, packed, levels, 3))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("bits", [1, 2, 3])
+@pytest.mark.parametrize("numel", [1, 7, 9, 4095, 4097, 8195])
+def test_16_bit_backward_select_tree_picks_every_level(dtype, bits, numel):
+    # issue 22 (bfloat16 backward): at 1-3 bits the 16-bit backward expands the codes to bytes and picks the level by
+    # a tree of selects on the code's bits instead of a table load; every code at every position of a group, across
+    # chunk ends (4096), with zero levels of both signs (+0 out, as torch selects)
+    count = 2**bits
+    codes = torch.arange(numel) % count
+    codes = codes[torch.randperm(numel, generator=torch.Generator().manual_seed(numel))]
+    packed = pack_reference(codes, bits)
+    for levels in (torch.linspace(-1.5, 2.0, count), torch.tensor([0.0, -0.0, 0.3, -7.0, 1e-3, 0.0, 5.0, -0.0])):
+        levels = levels[:count].contiguous()
+        grad = sample(numel, dtype, seed=bits)
+        result = backends.scale_numba(grad, packed, levels, bits)
+        assert same_bits(result, op.scale_reference(grad, packed, levels, bits))
