@@ -473,11 +473,36 @@ def _make_unpack_scale(bits: int):
     BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
     MASK = np.uint64((1 << bits) - 1)
 
+    SELECT = bits <= 3
+
     @numba.njit(cache=True, nogil=True)
     def unpack_scale(grad, packed, levels, out, start, stop):
         begin = _u64(start)
         end = _u64(stop)
         zero = out.dtype.type(0)
+        if SELECT:
+            # 1-3 bits: as unpack_scale16, the codes expanded to bytes per chunk, the level picked by a vectorised
+            # tree of selects instead of a scalar table load per element
+            codes = np.empty(CHUNK, dtype=np.uint8)
+            codes64 = codes.view(np.uint64)
+            padded = np.zeros(8, dtype=levels.dtype)
+            for code in range(min(8, levels.size)):
+                padded[code] = levels[code]
+            l0, l1, l2, l3 = padded[0], padded[1], padded[2], padded[3]
+            l4, l5, l6, l7 = padded[4], padded[5], padded[6], padded[7]
+            for chunk in range(begin, end, _CHUNK):
+                count = min(_CHUNK, end - chunk)
+                for group in range((count + _7) // _8):
+                    codes64[group] = _expand(_load_word(packed, chunk // _8 + group, BITS), BITS)
+                for i in range(count):
+                    code = _u32(codes[i])
+                    odd = (code & _u32(1)) != _u32(0)
+                    low = (l1 if odd else l0) if (code & _u32(2)) == _u32(0) else (l3 if odd else l2)
+                    high = (l5 if odd else l4) if (code & _u32(2)) == _u32(0) else (l7 if odd else l6)
+                    level = high if (code & _u32(4)) != _u32(0) else low
+                    product = grad[chunk + i] * level
+                    out[chunk + i] = product if level != 0 else zero
+            return
         full_end = begin + (end - begin) // _8 * _8
         for group in range(begin // _8, full_end // _8):
             word = _load_word(packed, group, BITS)

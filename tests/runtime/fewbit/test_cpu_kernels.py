@@ -487,19 +487,19 @@ def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel)
         assert same_bits(backends.scale_numba(grid, packed, levels, 3), op.scale_reference(grid, packed, levels, 3))
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("numel", [1, 7, 9, 4095, 4097, 8195])
-def test_16_bit_backward_select_tree_picks_every_level(dtype, bits, numel):
-    # issue 22 (bfloat16 backward): at 1-3 bits the 16-bit backward expands the codes to bytes and picks the level by
-    # a tree of selects on the code's bits instead of a table load; every code at every position of a group, across
-    # chunk ends (4096), with zero levels of both signs (+0 out, as torch selects)
+def test_backward_select_tree_picks_every_level(dtype, bits, numel):
+    # issue 22 (backward): at 1-3 bits the backward kernels (16-bit and float32/64) expand the codes to bytes and pick
+    # the level by a tree of selects on the code's bits instead of a table load; every code at every position of a
+    # group, across chunk ends (4096), with zero levels of both signs (+0 out, as torch selects)
     count = 2**bits
     codes = torch.arange(numel) % count
     codes = codes[torch.randperm(numel, generator=torch.Generator().manual_seed(numel))]
     packed = pack_reference(codes, bits)
     for levels in (torch.linspace(-1.5, 2.0, count), torch.tensor([0.0, -0.0, 0.3, -7.0, 1e-3, 0.0, 5.0, -0.0])):
-        levels = levels[:count].contiguous()
+        levels = levels[:count].to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
         grad = sample(numel, dtype, seed=bits)
         result = backends.scale_numba(grad, packed, levels, bits)
         assert same_bits(result, op.scale_reference(grad, packed, levels, bits))
