@@ -469,6 +469,25 @@ def threshold_pack16(bits: int, relu: bool):
     return _make_threshold_pack16(bits, relu)
 
 
+@numba.njit(cache=True, inline="always")
+def _eight_levels(levels):
+    """The first 8 levels as scalars (zeros past the table's end: codes of 1-2 bits never select them)."""
+    padded = np.zeros(8, dtype=levels.dtype)
+    for code in range(min(8, levels.size)):
+        padded[code] = levels[code]
+    return padded[0], padded[1], padded[2], padded[3], padded[4], padded[5], padded[6], padded[7]
+
+
+@numba.njit(cache=True, inline="always")
+def _select8(code, l0, l1, l2, l3, l4, l5, l6, l7):
+    """levels[code] for a code of at most 3 bits (uint32) by a tree of selects on its bits: no table load, so that
+    LLVM vectorises the loop around it (the backward kernels at 1-3 bits)."""
+    odd = (code & _u32(1)) != _u32(0)
+    low = (l1 if odd else l0) if (code & _u32(2)) == _u32(0) else (l3 if odd else l2)
+    high = (l5 if odd else l4) if (code & _u32(2)) == _u32(0) else (l7 if odd else l6)
+    return high if (code & _u32(4)) != _u32(0) else low
+
+
 def _make_unpack_scale(bits: int):
     BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
     MASK = np.uint64((1 << bits) - 1)
@@ -485,21 +504,13 @@ def _make_unpack_scale(bits: int):
             # tree of selects instead of a scalar table load per element
             codes = np.empty(CHUNK, dtype=np.uint8)
             codes64 = codes.view(np.uint64)
-            padded = np.zeros(8, dtype=levels.dtype)
-            for code in range(min(8, levels.size)):
-                padded[code] = levels[code]
-            l0, l1, l2, l3 = padded[0], padded[1], padded[2], padded[3]
-            l4, l5, l6, l7 = padded[4], padded[5], padded[6], padded[7]
+            l0, l1, l2, l3, l4, l5, l6, l7 = _eight_levels(levels)
             for chunk in range(begin, end, _CHUNK):
                 count = min(_CHUNK, end - chunk)
                 for group in range((count + _7) // _8):
                     codes64[group] = _expand(_load_word(packed, chunk // _8 + group, BITS), BITS)
                 for i in range(count):
-                    code = _u32(codes[i])
-                    odd = (code & _u32(1)) != _u32(0)
-                    low = (l1 if odd else l0) if (code & _u32(2)) == _u32(0) else (l3 if odd else l2)
-                    high = (l5 if odd else l4) if (code & _u32(2)) == _u32(0) else (l7 if odd else l6)
-                    level = high if (code & _u32(4)) != _u32(0) else low
+                    level = _select8(_u32(codes[i]), l0, l1, l2, l3, l4, l5, l6, l7)
                     product = grad[chunk + i] * level
                     out[chunk + i] = product if level != 0 else zero
             return
@@ -576,19 +587,7 @@ def _make_unpack_scale16(bits: int, bfloat: bool):
         half = np.float32(0.5)
         codes = np.empty(CHUNK, dtype=np.uint8)
         codes64 = codes.view(np.uint64)
-        padded = np.zeros(8, dtype=np.float32)  # the levels of the select tree (codes of 1-2 bits use the first ones)
-        for code in range(min(8, levels.size)):
-            padded[code] = levels[code]
-        l0, l1, l2, l3, l4, l5, l6, l7 = (
-            padded[0],
-            padded[1],
-            padded[2],
-            padded[3],
-            padded[4],
-            padded[5],
-            padded[6],
-            padded[7],
-        )
+        l0, l1, l2, l3, l4, l5, l6, l7 = _eight_levels(levels)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
             if BFLOAT:
@@ -617,11 +616,7 @@ def _make_unpack_scale16(bits: int, bfloat: bool):
                 for group in range((count + _7) // _8):
                     codes64[group] = _expand(_load_word(packed, chunk // _8 + group, BITS), BITS)
                 for i in range(count):
-                    code = _u32(codes[i])
-                    odd = (code & _u32(1)) != _u32(0)
-                    low = (l1 if odd else l0) if (code & _u32(2)) == _u32(0) else (l3 if odd else l2)
-                    high = (l5 if odd else l4) if (code & _u32(2)) == _u32(0) else (l7 if odd else l6)
-                    level = high if (code & _u32(4)) != _u32(0) else low
+                    level = _select8(_u32(codes[i]), l0, l1, l2, l3, l4, l5, l6, l7)
                     product = buffer[i] * level
                     buffer[i] = product if level != 0 else zero
             for group in range(0 if SELECT else full):  # whole groups: a fixed trip count, unrolled
