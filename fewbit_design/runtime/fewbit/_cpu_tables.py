@@ -121,14 +121,26 @@ class _CodesPlan(NamedTuple):
     kernel: Callable[..., int]
     #: the kernel that also writes y = relu(x) (for finite x), for tables with one boundary; else None
     relu_kernel: Callable[..., int] | None
-    layout: str  # how x enters the arguments: "lut16" (x as uint16 patterns), "compare" (x), "lut32" (x as uint16
-    # halves first, then the LUTs, then x before the last two tables, the boundaries and codes of the binary search)
+    # how x enters the arguments: "lut16" / "steps16" / "threshold16" (x as uint16 patterns), "compare" (x), "lut32"
+    # (x as uint16 halves first, then the LUTs, then x before the last two tables, the boundaries and codes of the
+    # binary search)
+    layout: str
     tables: tuple  # the arguments beside x's (before the output)
     owners: tuple  # the table tensors, held so that their addresses (part of the key) are not reused
 
+    @property
+    def sixteen(self) -> bool:
+        """Whether the kernel reads x as uint16 bit patterns (float16 / bfloat16)."""
+        return self.layout in ("lut16", "threshold16", "steps16")
+
     def arguments(self, flat: torch.Tensor, out_np: np.ndarray, y: torch.Tensor | None = None) -> tuple:
-        sixteen = self.layout in ("lut16", "threshold16")
+        sixteen = self.sixteen
         x_np = flat.view(torch.int16).numpy().view(np.uint16) if sixteen else flat.numpy()
+        return self.arguments_np(x_np, out_np, y)
+
+    def arguments_np(self, x_np: np.ndarray, out_np: np.ndarray, y: torch.Tensor | None = None) -> tuple:
+        """:meth:`arguments` for x already as the flat numpy array the kernel reads (uint16 where :attr:`sixteen`)."""
+        sixteen = self.sixteen
         if self.layout == "lut32":
             return (x_np.view(np.uint16), *self.tables[:-2], x_np, *self.tables[-2:], out_np)
         if self.layout.startswith("threshold"):  # y: written by relu_kernel only
@@ -188,6 +200,35 @@ def _threshold_key16(lut16: np.ndarray, above: int, exponent: int) -> int | None
     return key if np.array_equal(is_above, (keys >= key) | nan) else None
 
 
+def _steps_keys16(dtype: torch.dtype, lut16: np.ndarray, boundaries32: np.ndarray, interval_codes: np.ndarray):
+    """The tables of ``quantize_pack_steps16`` (int16 keys, uint8 steps, first code, NaN's code), checked on all
+    65536 patterns against the exact LUT ``lut16``; None where they do not reproduce it."""
+    patterns = np.arange(65536, dtype=np.uint32)
+    if dtype == torch.float16:
+        values, exponent = patterns.astype(np.uint16).view(np.float16).astype(np.float32), 0x7C00
+    else:
+        values, exponent = (patterns << np.uint32(16)).view(np.float32), 0x7F80
+    nan = (patterns & 0x7FFF) > exponent
+    signed = (_key16(patterns) ^ 0x8000).astype(np.uint16).view(np.int16)  # the kernel's key, in signed order
+    keys = []
+    for boundary in np.asarray(boundaries32, dtype=np.float32):
+        above = (values >= boundary) & ~nan
+        if not above.any():
+            return None
+        key = int(signed[above].min())
+        if not np.array_equal(above, (signed >= key) & ~nan):
+            return None
+        keys.append(key)
+    keys = np.array(keys, dtype=np.int16)
+    codes = np.asarray(interval_codes, dtype=np.int64)
+    steps = ((codes[1:] - codes[:-1]) & 0xFF).astype(np.uint8)
+    computed = (codes[0] + (signed[:, None] >= keys[None, :]).astype(np.int64) @ steps.astype(np.int64)) & 0xFF
+    computed[nan] = codes[-1]
+    if not np.array_equal(computed, lut16.astype(np.int64)):
+        return None
+    return keys, steps, np.uint8(codes[0]), np.uint8(codes[-1])
+
+
 def _build_plan(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> _CodesPlan:
     kernels = _numba_kernels()
     owners = (boundaries, interval_codes)
@@ -201,6 +242,11 @@ def _build_plan(dtype: torch.dtype, boundaries: torch.Tensor, interval_codes: to
                 tables = (key, exponent, below, above)
                 relu = kernels.threshold_pack16(bits, True)
                 return _CodesPlan(kernels.threshold_pack16(bits, False), relu, "threshold16", tables, owners)
+        if boundaries.numel() <= STEPS_BOUNDARIES:
+            boundaries_np, codes_np = boundaries.detach().cpu().numpy(), interval_codes.detach().cpu().numpy()
+            tables = _steps_keys16(dtype, lut16, boundaries_np, codes_np)
+            if tables is not None:
+                return _CodesPlan(kernels.quantize_pack_steps16(bits), None, "steps16", (*tables, exponent), owners)
         return _CodesPlan(kernels.quantize_pack_lut16(bits), None, "lut16", (lut16, exponent), owners)
     # copies: the plan outlives no change of the table tensors (a change bumps their version, hence the key)
     boundaries_np = boundaries.detach().cpu().numpy().copy()

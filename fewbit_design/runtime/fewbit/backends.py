@@ -313,9 +313,7 @@ def forward_numba(
         return fused
     small = numel * x.element_size() < FORWARD_BLOCKED_BYTES
     if small or torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
-        packed, nonfinite = _codes_numba(x, boundaries, interval_codes, bits)
-        record = _nonfinite_positions(x.detach().reshape(-1), 0) if nonfinite else None
-        return native(x), packed, record
+        return _forward_two_passes(x, native, boundaries, interval_codes, bits)
     _check_input(x, boundaries, interval_codes, bits)
     packed = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
     out_np = packed.numpy()
@@ -342,6 +340,38 @@ def forward_numba(
     return y_flat.view(x.shape), packed, record
 
 
+def _forward_two_passes(
+    x: torch.Tensor,
+    native: Callable[[torch.Tensor], torch.Tensor],
+    boundaries: torch.Tensor,
+    interval_codes: torch.Tensor,
+    bits: int,
+) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
+    """:func:`forward_numba` as the codes of all of x (split over the kernel threads), then ``native(x)``.
+
+    The fixed cost of a call (issue 22): the calls :func:`_codes_numba` makes, without the ones that repeat work
+    done once per table (the plan, cached) or per call here (flattening x once, for the codes and the record).
+    """
+    _check_input(x, boundaries, interval_codes, bits)
+    if not x.is_cpu:
+        raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
+    numel = x.numel()
+    if numel == 0:
+        return native(x), torch.empty(0, dtype=torch.uint8), None
+    plan = codes_plan(x.dtype, boundaries, interval_codes, bits)
+    # numpy arrays throughout (a numpy call costs a fifth of a torch call): x as numpy, flattened by numpy (copied
+    # only where x is not contiguous), the codes written into numpy memory that torch then shares
+    detached = x.detach()
+    x_np = detached.view(torch.int16).numpy().view(np.uint16) if plan.sixteen else detached.numpy()
+    x_np = np.ascontiguousarray(x_np.reshape(-1))  # (a 1-D strided x stays strided through reshape)
+    out_np = np.empty(packed_nbytes(numel, bits), dtype=np.uint8)
+    nonfinite = _numba_kernels().run(plan.kernel, numel, *plan.arguments_np(x_np, out_np))
+    if bits == 8:
+        out_np[numel:] = 0
+    record = _nonfinite_positions(detached.reshape(-1), 0) if nonfinite else None
+    return native(x), torch.from_numpy(out_np), record
+
+
 def fused_relu(function: Callable) -> Callable:
     """Mark ``function`` (a module's native) as torch's relu, whose CPU forward :func:`forward_numba` may compute
     in the codes kernel's pass (``torch.relu`` and ``F.relu`` are recognised as they are)."""
@@ -363,7 +393,11 @@ def _forward_relu(
     results are not (bfloat16 keeps a NaN's payload in the scalar loop of short tensors and returns 0xFFFF in the
     vector loop), so when x holds a non-finite element, y is ``native(x)`` itself (one more pass, in that rare case).
     """
-    if not _is_relu(native) or x.dtype == torch.float64 or not x.is_contiguous() or x.numel() == 0:
+    # one boundary first: the fused kernels exist only for such tables, and that test is the cheapest (the fixed
+    # cost of every other table's call)
+    if boundaries.numel() != 1 or not _is_relu(native) or x.dtype == torch.float64 or not x.is_contiguous():
+        return None
+    if x.numel() == 0:
         return None
     _check_input(x, boundaries, interval_codes, bits)
     plan = codes_plan(x.dtype, boundaries, interval_codes, bits)
@@ -387,33 +421,40 @@ def _nonfinite_positions(flat: torch.Tensor, offset: int) -> tuple[torch.Tensor,
     return torch.nonzero(mask).reshape(-1) + offset, flat[mask]
 
 
+def _numpy(tensor: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's numpy view (``detach`` only where it records autograd: each torch call is ~1 us of the fixed
+    cost of a small call)."""
+    return (tensor.detach() if tensor.requires_grad else tensor).numpy()
+
+
 def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
     """numba CPU kernel of :func:`scale_reference` (bitwise equal)."""
-    if grad.device.type != "cpu":
+    if not grad.is_cpu:
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {grad.device}")
-    _check_packed(packed, bits, grad.numel())
-    if grad.numel() == 0:
+    numel = grad.numel()
+    _check_packed(packed, bits, numel)
+    if numel == 0:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     kernels = _numba_kernels()
-    kernel = kernels.unpack_scale(bits)
-    flat = _flat_contiguous(grad)
-    numel = flat.numel()
-    levels_np = levels.detach().cpu().numpy()
-    packed_np = packed.detach().numpy()
-    if flat.dtype == levels.dtype:
-        out = _empty_cpu(numel, flat.dtype)
-        kernels.run(kernel, numel, flat.numpy(), packed_np, levels_np, out.numpy())
-        return out.reshape(grad.shape)
+    levels_np = _numpy(levels.cpu())
+    packed_np = _numpy(packed)
+    detached = grad.detach()
+    if grad.dtype == levels.dtype:
+        # grad through numpy (flattened there, copied only where grad is not contiguous), as the forward reads x
+        grad_np = np.ascontiguousarray(detached.numpy().reshape(-1))
+        out = _empty_cpu(numel, grad.dtype)
+        kernels.run(kernels.unpack_scale(bits), numel, grad_np, packed_np, levels_np, out.numpy())
+        return out.view(grad.shape)
     # float16 / bfloat16 gradients: read and written as 16-bit patterns, computed in float32 in the kernel and
     # rounded once as torch rounds (no float32 copy of the gradient: issue 20.14's memory, issue 22's two passes)
     out = torch.empty(numel, dtype=grad.dtype)
     bfloat = grad.dtype == torch.bfloat16
     kernel = kernels.unpack_scale16(bits, bfloat)
     decode = _FLOAT16_VALUES if bfloat else _float16_values()
-    grad_bits = flat.view(torch.int16).numpy().view(np.uint16)
+    grad_bits = np.ascontiguousarray(detached.view(torch.int16).numpy().reshape(-1)).view(np.uint16)
     out_bits = out.view(torch.int16).numpy().view(np.uint16)
     kernels.run(kernel, numel, grad_bits, packed_np, levels_np, decode, out_bits)
-    return out.reshape(grad.shape)
+    return out.view(grad.shape)
 
 
 _FLOAT16_VALUES = np.zeros(1, dtype=np.float32)  # bfloat16 needs no table (its value is the pattern << 16)
@@ -502,7 +543,11 @@ def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
 # Dispatch
 
 
-_forced = threading.local()
+class _Forced(threading.local):
+    name: str | None = None  # a class default: a missing attribute of a threading.local costs 1 us (an exception)
+
+
+_forced = _Forced()
 
 
 @contextlib.contextmanager
@@ -514,7 +559,7 @@ def use_backend(name: str | None) -> Iterator[None]:
     """
     if name is not None:
         check_choice("backend", name, BACKENDS)
-    previous = getattr(_forced, "name", None)
+    previous = _forced.name
     _forced.name = name
     try:
         yield
@@ -529,23 +574,36 @@ def _importable(module: str) -> bool:
     return importlib.util.find_spec(module) is not None
 
 
+# The environment as CPython keeps it (os.environ's own mapping, which os.environ[...] = and monkeypatch.setenv
+# update): one dict probe a call instead of os.environ.get (1.3 us: the key is encoded on every call), so that a
+# change of FEWBIT_BACKEND still takes effect at the next call. Elsewhere, os.environ itself.
+_ENVIRON = getattr(os.environ, "_data", None)
+_ENVIRON_KEY = os.environ.encodekey(BACKEND_ENV) if _ENVIRON is not None and hasattr(os.environ, "encodekey") else None
+
+
+def _environment_backend() -> str:
+    if _ENVIRON_KEY is None:
+        return os.environ.get(BACKEND_ENV, "auto") or "auto"
+    raw = _ENVIRON.get(_ENVIRON_KEY)
+    return "auto" if raw is None else (os.environ.decodevalue(raw) or "auto")
+
+
 def backend_for(device: torch.device) -> str:
     """The backend that runs for tensors on ``device`` (see :func:`use_backend`)."""
-    name = getattr(_forced, "name", None) or os.environ.get(BACKEND_ENV, "auto") or "auto"
-    if name not in BACKENDS:  # (checked only when wrong: this runs on every call)
+    name = _forced.name or _environment_backend()
+    if name == "auto":  # the common case first (this runs on every call)
+        kind = device.type
+        if kind == "cpu":
+            return "numba" if _importable("numba") else "reference"
+        return "triton" if kind == "cuda" and _importable("triton") else "reference"
+    if name not in BACKENDS:  # (checked only when wrong)
         check_choice(f"backend ({BACKEND_ENV})", name, BACKENDS)
     if name in ("numba", "triton") and not _importable(name):
         raise FewBitError(
             f"backend {name!r} ({BACKEND_ENV} or use_backend) needs {name}, which is not installed: "
             f"pip install {name}, or use 'auto' (falls back to the pure-torch reference)"
         )
-    if name != "auto":
-        return name
-    if device.type == "cuda" and _importable("triton"):
-        return "triton"
-    if device.type == "cpu" and _importable("numba"):
-        return "numba"
-    return "reference"
+    return name
 
 
 _QUANTIZE = {"reference": quantize_reference, "numba": quantize_numba, "triton": quantize_triton}

@@ -66,7 +66,8 @@ __all__ = [
 ]
 
 _BUFFERS = ("boundaries32", "boundaries64", "interval_codes", "levels32", "levels64")
-# module -> (device, its table buffers, their TableTensors views), see FewBitModule._table_tensors
+_BUFFER_NAMES = tuple(f"_fewbit_{name}" for name in _BUFFERS)
+# module -> (device, its table buffers, their TableTensors views, the buffers' ids), see FewBitModule._table_tensors
 _DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
@@ -112,15 +113,16 @@ class FewBitModule(torch.nn.Module):
         if torch.compiler.is_compiling():
             encoded = {name: getattr(self, f"_fewbit_{name}").to(device) for name in _BUFFERS}
             return decode_table(self.bits, encoded)
-        buffers = tuple(self._buffers.get(f"_fewbit_{name}") for name in _BUFFERS)
+        buffers = tuple(map(self._buffers.get, _BUFFER_NAMES))
         cached = _DECODED.get(self)
-        if cached is not None and cached[0] == device and all(a is b for a, b in zip(cached[1], buffers, strict=True)):
+        # the same buffer objects (by id: the entry holds the buffers, so their ids are not reused while it lives)
+        if cached is not None and cached[3] == tuple(map(id, buffers)) and cached[0] == device:
             return cached[2]
         if any(buffer is None for buffer in buffers):  # a subclass that replaced the buffers: look them up
             buffers = tuple(getattr(self, f"_fewbit_{name}") for name in _BUFFERS)
         tensors = decode_table(self.bits, {name: b.to(device) for name, b in zip(_BUFFERS, buffers, strict=True)})
         if all(buffer.device == device for buffer in buffers):  # views of the buffers (copies would go stale)
-            _DECODED[self] = (device, buffers, tensors)
+            _DECODED[self] = (device, buffers, tensors, tuple(map(id, buffers)))
         return tensors
 
     def _native(self, input: torch.Tensor) -> torch.Tensor:  # pragma: no cover - overridden

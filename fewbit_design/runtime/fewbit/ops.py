@@ -182,10 +182,16 @@ def _nonfinite_gradient(
     return torch.where(torch.isnan(values), nan, result.to(values.dtype))
 
 
+_compiling = torch.compiler.is_compiling
+
+
 def _capturing(x: torch.Tensor) -> bool:
     """Whether a CUDA graph is being captured on the current stream (for a CUDA tensor ``x``): then the forward saves
     the compiled form's non-finite flag, since no host synchronisation is allowed."""
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+_unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 class _FewBitFunction(torch.autograd.Function):
@@ -204,9 +210,11 @@ class _FewBitFunction(torch.autograd.Function):
         # (about 20 us, as much as a native GELU of 2^14 elements); every caller here passes all seven positionally,
         # so that binding is the identity: eager calls outside torch.func go straight to the C++ apply, as torch's
         # own apply does after binding. torch.compile and torch.func keep torch's path.
+        # Of the arguments only x can be a dead functorch wrapper (one that escaped a finished transform): the table
+        # tensors are module buffers or cached table tensors, and the rest are not tensors.
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(*torch._functorch.utils.unwrap_dead_wrappers(args))
+        return super(torch.autograd.Function, cls).apply(_unwrap_if_dead(args[0]), *args[1:])
 
     @staticmethod
     def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
@@ -214,7 +222,7 @@ class _FewBitFunction(torch.autograd.Function):
         # the native module's output and x is not saved. Eager calls the launcher directly (the custom op's Python
         # wrapper costs ~0.1 ms a call); torch.compile traces the custom op. A CUDA graph capture takes the compiled
         # form too: the sparse record's bool() and nonzero() synchronise with the host, which a capture forbids.
-        if torch.compiler.is_compiling() or _capturing(x):
+        if _compiling() or _capturing(x):
             packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None

@@ -5,11 +5,16 @@ forward), in every dtype, at sizes 0, 1, 7 and 2^k +- 1 around the block size (m
 run in a fast test).
 """
 
+import os
+import threading
+
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from test_runtime_ops import random_table
 
+from fewbit_design.runtime._packing import pack_reference
 from fewbit_design.runtime.fewbit import _cpu_tables, backends
 from fewbit_design.runtime.fewbit import ops as op
 
@@ -381,3 +386,120 @@ def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kerne
     packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
     assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
     assert nonfinite == int((~torch.isfinite(x)).sum())
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 7, 63, 64, 65, 1023, 1025])
+@pytest.mark.parametrize("name", ["gelu", "silu", "tanh"])
+def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dtype):
+    # issue 22 (the fixed cost of a call): small inputs take _forward_two_passes, which reads x through numpy (a copy
+    # only where x is not contiguous) and writes the codes into numpy memory shared with torch
+    table = random_table(bits=3, seed=21)
+    tensors = op.table_tensors(table)
+    boundaries, _ = tensors.for_input(dtype)
+    wide = sample(2 * numel, dtype, seed=numel)
+    for x in (wide[:numel], wide[::2], wide.reshape(-1, 2)[:, 0] if numel else wide):
+        x = x.clone() if x.is_contiguous() else x
+        x[:: max(1, numel // 3)] = float("nan") if numel > 3 else x[:: max(1, numel // 3)]
+        y, packed, record = backends.forward_numba(x, NATIVES[name], boundaries, tensors.interval_codes, 3)
+        assert same_bits(y, NATIVES[name](x))
+        assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+        expected = op.nonfinite_record(x)
+        if expected is None:
+            assert record is None
+        else:
+            assert torch.equal(record[0], expected[0]) and same_bits(record[1], expected[1])
+
+
+def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
+    # issue 22 (the fixed cost of a call): backend_for read FEWBIT_BACKEND with os.environ.get on every forward and
+    # backward (1-2 us: the key is encoded each time); it now probes os.environ's own mapping, so a change still takes
+    # effect at the next call
+    reads = []
+    real_getitem = type(os.environ).__getitem__
+
+    def getitem(self, key):
+        if key == op.BACKEND_ENV:
+            reads.append(key)
+        return real_getitem(self, key)
+
+    table = random_table(bits=3, seed=22)
+    x = sample(100, torch.float32).requires_grad_()
+    monkeypatch.delenv(op.BACKEND_ENV, raising=False)
+    monkeypatch.setattr(type(os.environ), "__getitem__", getitem)
+    y = op.fewbit_activation(x, F.gelu, op.table_tensors(table))
+    torch.autograd.grad(y, x, torch.ones_like(y))
+    assert op.backend_for(torch.device("cpu")) == "numba"
+    assert reads == []
+    monkeypatch.setenv(op.BACKEND_ENV, "reference")
+    assert op.backend_for(torch.device("cpu")) == "reference"
+    # a thread that never entered use_backend sees the environment too (the thread-local's class default)
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(op.backend_for(torch.device("cpu"))))
+    thread.start()
+    thread.join()
+    assert seen == ["reference"]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("bits, boundaries", [(1, 2), (2, 3), (3, 9), (3, 12), (4, 12)])
+def test_16_bit_steps_kernel_on_every_pattern_is_the_reference(dtype, bits, boundaries):
+    # issue 22 (bfloat16 forward): 16-bit tables with at most STEPS_BOUNDARIES boundaries compare the pattern's
+    # signed key with one key per boundary (vectorised) instead of a 65536-entry lookup per element: every pattern
+    # (NaN, +-inf, -0, subnormals) at sizes that end inside a chunk and inside a group of 8
+    patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
+    for seed in range(3):
+        tensors = op.table_tensors(random_table(bits=bits, boundaries=boundaries, seed=seed))
+        used, _ = backends._codes_kernel(patterns, tensors.boundaries32, tensors.interval_codes, bits, None)
+        assert "steps16" in used.__name__
+        for x in (patterns, patterns[:4099], patterns[-7:], patterns[:1]):
+            packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
+            assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+            assert nonfinite == int((~torch.isfinite(x)).sum())
+
+
+def test_16_bit_steps_keys_refuse_a_table_they_cannot_reproduce():
+    # the keys are checked on all patterns against the exact table; a table whose codes are no sum of per-boundary
+    # steps of the key order (here: a made-up LUT) falls back to the lookup kernel
+    lut = np.zeros(65536, dtype=np.uint8)
+    lut[::2] = 1
+    assert _cpu_tables._steps_keys16(torch.bfloat16, lut, np.array([0.0], np.float32), np.array([0, 1])) is None
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("numel", [0, 1, 7, 63, 65, 4097])
+def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel):
+    # issue 22 (the fixed cost of a call): scale_numba reads the gradient through numpy (flattened there, copied only
+    # where it is not contiguous): a 1-D strided gradient stays strided through reshape, so it must be copied
+    tensors = op.table_tensors(random_table(bits=3, seed=23))
+    _, levels = tensors.for_input(dtype)
+    x = sample(numel, torch.float32, seed=1)
+    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    wide = sample(2 * numel, dtype, seed=2)
+    for grad in (wide[::2], wide[:numel].clone(), wide.reshape(-1, 2)[:, 1] if numel else wide[:0]):
+        result = backends.scale_numba(grad, packed, levels, 3)
+        assert same_bits(result, op.scale_reference(grad, packed, levels, 3))
+    if numel == 4097:
+        grid = sample(2 * 4097, dtype, seed=3).reshape(17, 482)[:, ::2]  # 2-D, non-contiguous
+        packed = op.quantize_reference(
+            sample(grid.numel(), torch.float32), tensors.boundaries32, tensors.interval_codes, 3
+        )
+        assert same_bits(backends.scale_numba(grid, packed, levels, 3), op.scale_reference(grid, packed, levels, 3))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bits", [1, 2, 3])
+@pytest.mark.parametrize("numel", [1, 7, 9, 4095, 4097, 8195])
+def test_backward_select_tree_picks_every_level(dtype, bits, numel):
+    # issue 22 (backward): at 1-3 bits the backward kernels (16-bit and float32/64) expand the codes to bytes and pick
+    # the level by a tree of selects on the code's bits instead of a table load; every code at every position of a
+    # group, across chunk ends (4096), with zero levels of both signs (+0 out, as torch selects)
+    count = 2**bits
+    codes = torch.arange(numel) % count
+    codes = codes[torch.randperm(numel, generator=torch.Generator().manual_seed(numel))]
+    packed = pack_reference(codes, bits)
+    for levels in (torch.linspace(-1.5, 2.0, count), torch.tensor([0.0, -0.0, 0.3, -7.0, 1e-3, 0.0, 5.0, -0.0])):
+        levels = levels[:count].to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
+        grad = sample(numel, dtype, seed=bits)
+        result = backends.scale_numba(grad, packed, levels, bits)
+        assert same_bits(result, op.scale_reference(grad, packed, levels, bits))
