@@ -436,8 +436,7 @@ class Session:
         record.alias, record.version = tensor.detach(), tensor._version
         ref = self._register(record)
         self._remember(key, tensor, ref)
-        self._count_in_stats("tensors", "bytes", layout.nbytes)
-        self._count_transfer(layout.nbytes)
+        self._count_transfer(layout.nbytes, layout.nbytes, 1)
         self._reap()
         return record
 
@@ -509,14 +508,16 @@ class Session:
         for member in members:
             member.alias = None  # the staging copy holds the bytes now: the members' storages can go
         self._register(pack)
-        self._count_in_stats("tensors", "bytes", sum(m.layout.nbytes for m in members), count)
-        self._count_transfer(size)
+        self._count_transfer(size, sum(m.layout.nbytes for m in members), count)
         self._reap()
 
     def _all_stats(self) -> list[Stats]:
         """This session's stats and those of the regions around it, each once."""
+        active = getattr(_ACTIVE, "stats", ())
+        if len(active) == 1 and active[0] is self.stats:  # (the common case: the session's own region)
+            return [self.stats]
         counted: list[Stats] = []
-        for stats in [self.stats, *getattr(_ACTIVE, "stats", ())]:
+        for stats in [self.stats, *active]:
             if not any(stats is seen for seen in counted):
                 counted.append(stats)
         return counted
@@ -528,10 +529,14 @@ class Session:
             setattr(stats, tensors, getattr(stats, tensors) + count)
             setattr(stats, nbytes, getattr(stats, nbytes) + size)
 
-    def _count_transfer(self, nbytes: int) -> None:
+    def _count_transfer(self, transfer: int, size: int, count: int) -> None:
+        """Count one transfer of ``transfer`` bytes carrying ``count`` tensors of ``size`` bytes in all (the stats
+        of this session and of the regions around it)."""
         for stats in self._all_stats():
+            stats.tensors += count
+            stats.bytes += size
             stats.transfers += 1
-            stats.largest_transfer = max(stats.largest_transfer, nbytes)
+            stats.largest_transfer = max(stats.largest_transfer, transfer)
 
     def _wait_writes(self, count: int) -> None:
         for record in list(self._inflight)[:count]:
