@@ -115,11 +115,12 @@ class Job:
 
 class Worker:
     """Runs submitted jobs one after another on one thread, started by the first job; it waits for the next job
-    and ends when the worker is closed or after ``linger`` seconds without one (a later job starts it again)."""
+    and ends when the worker is closed or after ``linger`` seconds without one (default ``LINGER_SECONDS``; a later
+    job starts it again)."""
 
-    def __init__(self, label: str, linger: float = LINGER_SECONDS) -> None:
+    def __init__(self, label: str, linger: float | None = None) -> None:
         self._label = label
-        self._linger = linger
+        self._linger = LINGER_SECONDS if linger is None else linger
         self._queue: deque[Job] = deque()
         self._lock = threading.Lock()
         self._loops = 0  # loops running (each counts itself in, so a start that never happened is never counted)
