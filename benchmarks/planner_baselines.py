@@ -17,9 +17,14 @@ recognises it). Rows, each a fresh copy of the model (same seed) trained on the 
   generated code allocates outside the dispatcher, where ``memory.peak`` cannot see it: with ``--inductor`` extra
   rows time the inductor build, with no peak;
 * ``<technique> alone``: the planner's profile restricted to one technique, at its smallest peak;
+* ``offload alone, prefetch 2``: offload applied to every block with its transfers on the target's thread (two in
+  flight each way, ``blockwise`` as under the planner), beside the planner's synchronous offload (``offload alone``,
+  ``--offload-prefetch`` sets the planner's): what overlapping the copies with compute buys on this machine;
 * ``plan <k>``: the planner's budget sweep (budgets of the unconverted activation bytes / k, down to the smallest
   feasible), applied in eager mode, and the same plans compiled the same way as the compiled baseline
-  (``plan <k> compiled``, at the partitioner's default budget 1.0).
+  (``plan <k> compiled``, at the partitioner's default budget 1.0); ``plan <k> allowed``: the plan at the same
+  budget with ``approximate="allowed"`` (few-bit and compressed linear inputs wherever they profiled faster), where
+  it differs from the default ``"if-needed"`` plan (eager only).
 
 Per row: ``peak_mib`` (``memory.peak`` over one training step: forward and backward, with the parameters, their
 gradients and Adam's state alive, as in training), ``activation_mib`` (that peak minus parameters, gradients and
@@ -185,6 +190,7 @@ def candidates(model_name: str, shape, dtype, args, example: torch.Tensor) -> li
         example_kwargs={"labels": example},
         budget=None,
         offload_min_bytes=args.offload_min_bytes,
+        offload_prefetch=args.offload_prefetch,
         repeats=args.profile_repeats,
         approximate=args.approximate,
     )
@@ -195,6 +201,13 @@ def candidates(model_name: str, shape, dtype, args, example: torch.Tensor) -> li
             plan = base.replan("min", allow=(technique,), approximate="allowed")
             model = plan.apply(fresh())
             rows.append(Candidate(f"{technique} alone", "single", model, _loss(model), plan=plan))
+    if any("offload" in o.option.split("+") for b in base.costs.blocks for o in b.options):
+        from fewbit_design.runtime import offload
+
+        model = fresh()
+        blocks = list(model.get_submodule(base.chain))
+        offload.apply(model, blocks, min_bytes=args.offload_min_bytes, prefetch=2, blockwise=True)
+        rows.append(Candidate("offload alone, prefetch 2", "single", model, _loss(model)))
     unconverted, baseline = base.unconverted_peak_bytes, base.baseline_bytes
     smallest = base.facts["minimum_budget_bytes"]
     seen = set()
@@ -214,6 +227,13 @@ def candidates(model_name: str, shape, dtype, args, example: torch.Tensor) -> li
                 Candidate(f"{label} compiled{suffix}", "plan-compiled" + suffix, model, forward,
                           budget_context(1.0), plan=plan, budget=plan.budget_bytes / MIB, measure_peak=not suffix)
             )  # fmt: skip
+        if args.approximate != "allowed" and args.mode == "full":  # (quick: the rows of the test's fixed kinds)
+            allowed = base.replan(round(budget), approximate="allowed")
+            if allowed.choices not in seen:
+                seen.add(allowed.choices)
+                model = allowed.apply(fresh())
+                rows.append(Candidate(f"{label} allowed", "plan-allowed", model, _loss(model), plan=allowed,
+                                      budget=allowed.budget_bytes / MIB))  # fmt: skip
     return rows
 
 
@@ -351,7 +371,7 @@ def done_when(rows: list[dict]) -> list[str]:
         return not math.isnan(row.get("activation_mib", math.nan)) and not math.isnan(row.get("step_ms", math.nan))
 
     model = rows[0]["model"]
-    plans = [r for r in rows if r["kind"] in ("plan", "plan-compiled") and measured(r)]
+    plans = [r for r in rows if r["kind"] in ("plan", "plan-compiled", "plan-allowed") and measured(r)]
     lines = []
     for factor, limit in ((5.0, 1.10), (3.0, 1.00)):
         reaching = [r for r in plans if r["activation_reduction"] >= factor]
@@ -408,6 +428,7 @@ STYLE = {  # kind -> marker, colour, label
     "single": ("P", "tab:purple", "one technique alone"),
     "plan": ("o", "tab:blue", "planner sweep (eager)"),
     "plan-compiled": ("v", "tab:green", "planner sweep (compiled)"),
+    "plan-allowed": ("*", "tab:cyan", "planner sweep, approximate allowed (eager)"),
 }
 
 
@@ -426,7 +447,7 @@ def figure(rows: list[dict], path: Path, title: str) -> None:
             y = [r["step_vs_eager"] for r in points]
             error = [[v - r["step_vs_eager_q1"] for v, r in zip(y, points, strict=True)],
                      [r["step_vs_eager_q3"] - v for v, r in zip(y, points, strict=True)]]  # fmt: skip
-            style = "-" if kind in ("compiled", "plan", "plan-compiled") else "none"
+            style = "-" if kind in ("compiled", "plan", "plan-compiled", "plan-allowed") else "none"
             ax.errorbar(x, y, yerr=error, marker=marker, color=colour, linestyle=style, markersize=7, capsize=2,
                         label=label)  # fmt: skip
             if kind == "single":
@@ -460,6 +481,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--warmup", type=int, default=None, help="steps before measuring (default 2; --quick 1)")
     parser.add_argument("--profile-repeats", type=int, default=None, help="planner's timed runs (default 5; quick 1)")
     parser.add_argument("--offload-min-bytes", type=int, default=1 << 16, help="offload's smallest saved tensor")
+    parser.add_argument("--offload-prefetch", type=int, default=0, help="the planner's offload_prefetch (default 0)")
     parser.add_argument("--verbose", action="store_true", help="print the traceback of a row that fails")
     harness.add_options(parser, out=None, figure=None, repeats=None, threads=1)
     parser.add_argument("--compile-budgets", default=None, help="activation_memory_budget values (comma-separated)")

@@ -169,6 +169,7 @@ def apply(
     max_host_bytes: int | None = None,
     directory: str | os.PathLike | None = None,
     pack_bytes: int = 0,
+    blockwise: bool = False,
 ) -> OffloadHandle:
     """Offload what the chosen modules save for backward, every time they run; the model's parameters and buffers
     stay. Options as in :func:`saved_tensors`; the folder is probed once here and at each step. With ``pack_bytes``
@@ -180,6 +181,8 @@ def apply(
         prefetch: transfers in flight each way (0: synchronous)
         max_host_bytes: a cap on what one step holds in pinned memory or in its file
         directory: the disk target's folder (default: the temporary folder)
+        blockwise: each call of a chosen module is a block whose writes finish when it returns and whose backward
+            prefetches only its own tensors (see :func:`saved_tensors`; the planner's setting)
         model: the model; changed in place (each chosen module's ``forward`` is wrapped).
         modules: ``None`` (the whole model), or submodules, qualified names (``"encoder.layers.0"``) or module
             classes (every submodule of that class), alone or in a list.
@@ -193,7 +196,7 @@ def apply(
     1
     >>> handle.remove()
     """
-    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes)
+    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes, blockwise)
     if options.target == "disk" or (options.target == "auto" and not torch.cuda.is_available()):
         options.probe()  # a bad folder fails now, before training starts
     offloader = _ModuleOffloader(options, model)

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError, check_choice
+from ...errors import FewBitError, check_boolean, check_choice
 from .session import Session, Staging, Stats, close_freed, pop_stats, push_stats
 
 __all__ = ["saved_tensors", "empty_cache", "TARGETS", "DEFAULT_MIN_BYTES"]
@@ -40,10 +40,12 @@ class _Options:
         max_host_bytes: int | None,
         directory: str | os.PathLike | None,
         pack_bytes: int = 0,
+        blockwise: bool = False,
     ) -> None:
         self.target = check_choice("offload target", target, TARGETS)
         self.min_bytes = _check_count("min_bytes", min_bytes)
         self.pack_bytes = _check_count("pack_bytes", pack_bytes)
+        self.blockwise = check_boolean("offload blockwise", blockwise)
         self.staging = Staging()  # reused across the steps of these options (an apply(), a saved_tensors() block)
         self.prefetch = _check_count("prefetch", prefetch)
         self.max_host_bytes = _check_count("max_host_bytes", max_host_bytes, allow_none=True)
@@ -59,6 +61,7 @@ class _Options:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self.__dict__.update(state)
         self.pack_bytes = state.get("pack_bytes", 0)
+        self.blockwise = state.get("blockwise", False)
         self.staging = Staging()
 
     def make_target(self, device: torch.device) -> Any:
@@ -99,6 +102,7 @@ class _Options:
             pack_bytes=self.pack_bytes,
             staging=self.staging,
             order_hint=self.__dict__.get("unpack_order"),
+            blockwise=self.blockwise,
         )
         self.unpack_order = session.unpack_order  # (the list it fills in backward)
         return session
@@ -149,6 +153,7 @@ class _Region:
         session = self._session
         hooks = torch.autograd.graph.saved_tensors_hooks(_never_compiled(session.pack), _never_compiled(session.unpack))
         push_stats(session.stats)
+        session.enter_block()
         try:
             hooks.__enter__()
         except BaseException:  # (a Ctrl-C right after the push): leave no hooks behind that nobody pops
@@ -170,7 +175,7 @@ class _Region:
             self._hooks = None
         if exc_type is None:
             try:
-                session.flush()  # the block's pack of small tensors: one transfer
+                session.end_block()  # the block's pack of small tensors: one transfer (blockwise: writes done)
             except BaseException as error:
                 session.close(f"the offload region failed to write its small tensors ({type(error).__name__})")
                 raise
@@ -190,6 +195,7 @@ def saved_tensors(
     max_host_bytes: int | None = None,
     directory: str | os.PathLike | None = None,
     pack_bytes: int = 0,
+    blockwise: bool = False,
 ) -> _Region:
     """Offload the tensors that autograd saves inside the block; the ``with`` value is the step's :class:`Stats`.
 
@@ -207,6 +213,9 @@ def saved_tensors(
             its file (disk); tensors past it stay where they are. ``None``: no cap.
         directory: folder of the disk target's file (default: the system temporary folder). It is probed at entry:
             an unwritable or full folder raises :class:`FewBitError` before anything runs.
+        blockwise: finish the block's writes when it ends and prefetch only within a block, so no transfer holds
+            memory outside its block and the peak is at most ``prefetch`` transfers above the synchronous one
+            (what the planner uses to predict peaks with ``prefetch > 0``). Default False.
 
     The step's file or pinned buffers are released once autograd frees the graph: at the end of the backward pass
     that frees it, or, for a graph dropped without backward (or after an error in backward), when the next step
@@ -218,7 +227,7 @@ def saved_tensors(
     Blocks nest: the innermost block offloads what is saved inside it; the stats of the blocks around it count it
     too. A block (the object) is entered once.
     """
-    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes)
+    options = _Options(target, min_bytes, prefetch, max_host_bytes, directory, pack_bytes, blockwise)
     options.probe()
     return _Region(options=options)
 

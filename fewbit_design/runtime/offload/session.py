@@ -60,13 +60,15 @@ __all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats", "storag
 class Stats:
     """What a step offloaded: ``tensors``/``bytes`` moved out (packed small tensors included), ``kept_tensors``/
     ``kept_bytes`` left in place by the cap (``max_host_bytes``), ``transfers`` the writes issued (one per large
-    tensor, one per pack of small ones); tensors under ``min_bytes``, parameters and leaves are not counted."""
+    tensor, one per pack of small ones), ``largest_transfer`` the bytes of the largest; tensors under
+    ``min_bytes``, parameters and leaves are not counted."""
 
     tensors: int = 0
     bytes: int = 0
     kept_tensors: int = 0
     kept_bytes: int = 0
     transfers: int = 0
+    largest_transfer: int = 0
 
 
 class _Record:
@@ -83,6 +85,7 @@ class _Record:
         "alias",
         "version",
         "poisoned",
+        "block",
         "__weakref__",
     )
 
@@ -99,6 +102,7 @@ class _Record:
         self.alias: torch.Tensor | None = None
         self.version = 0
         self.poisoned: str | None = None
+        self.block = 0  # the block (region entry) that wrote it: blockwise sessions prefetch within a block
 
 
 _ALIGN = 64  # byte alignment of a member inside a pack (any dtype's view of the staging bytes is aligned)
@@ -280,6 +284,7 @@ class Session:
         pack_bytes: int = 0,
         staging: Staging | None = None,
         order_hint: list[int] | None = None,
+        blockwise: bool = False,
     ) -> None:
         close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
@@ -292,6 +297,8 @@ class Session:
         self._staging = staging if staging is not None else Staging()
         self._pending: _Pack | None = None  # the pack being filled (flushed at the end of the block's region)
         self.depth = depth
+        self.blockwise = blockwise  # see :meth:`end_block`
+        self.block = 0
         self.exclude = exclude
         self.stats = Stats()
         self.sealed = False  # backward has started: a new forward should start a new session
@@ -360,6 +367,22 @@ class Session:
             self._targets[key] = self._make_target(device)
         return self._targets[key]
 
+    # -- blocks ---------------------------------------------------------------------------------------------------
+    def enter_block(self) -> None:
+        """A region of this session was entered: a new block (its records prefetch among themselves)."""
+        self.block += 1
+
+    def end_block(self) -> None:
+        """A region of this session ends: its pack is written; in a **blockwise** session its writes are also
+        finished now (their tensors' storages released), so no transfer of a block holds memory outside it, and
+        backward prefetches only the block's own records (the first unpack of each block reads synchronously).
+        Then a block's peak exceeds the synchronous one (``prefetch=0``) by at most ``depth`` of its transfers, in
+        forward and in backward, and the bytes it keeps are exactly the synchronous ones: what the planner's
+        prediction needs (see :mod:`fewbit_design.runtime.offload.technique`)."""
+        self.flush()
+        if self.blockwise and self._inflight:
+            self._wait_writes(len(self._inflight))
+
     # -- forward --------------------------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
         if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _is_parameter_like(tensor):
@@ -413,14 +436,14 @@ class Session:
         record.alias, record.version = tensor.detach(), tensor._version
         ref = self._register(record)
         self._remember(key, tensor, ref)
-        self._count_in_stats("tensors", "bytes", layout.nbytes)
-        self._count_transfer()
+        self._count_transfer(layout.nbytes, layout.nbytes, 1)
         self._reap()
         return record
 
     def _register(self, record: _Record) -> _RecordRef:
         """Give a written record the next position and watch it (its target range is released when it dies)."""
         record.position = self._count
+        record.block = self.block
         self._inflight.append(record)
         self._count += 1
         ref = _RecordRef(record, self._freed_records.append)
@@ -485,14 +508,16 @@ class Session:
         for member in members:
             member.alias = None  # the staging copy holds the bytes now: the members' storages can go
         self._register(pack)
-        self._count_in_stats("tensors", "bytes", sum(m.layout.nbytes for m in members), count)
-        self._count_transfer()
+        self._count_transfer(size, sum(m.layout.nbytes for m in members), count)
         self._reap()
 
     def _all_stats(self) -> list[Stats]:
         """This session's stats and those of the regions around it, each once."""
+        active = getattr(_ACTIVE, "stats", ())
+        if len(active) == 1 and active[0] is self.stats:  # (the common case: the session's own region)
+            return [self.stats]
         counted: list[Stats] = []
-        for stats in [self.stats, *getattr(_ACTIVE, "stats", ())]:
+        for stats in [self.stats, *active]:
             if not any(stats is seen for seen in counted):
                 counted.append(stats)
         return counted
@@ -504,9 +529,14 @@ class Session:
             setattr(stats, tensors, getattr(stats, tensors) + count)
             setattr(stats, nbytes, getattr(stats, nbytes) + size)
 
-    def _count_transfer(self) -> None:
+    def _count_transfer(self, transfer: int, size: int, count: int) -> None:
+        """Count one transfer of ``transfer`` bytes carrying ``count`` tensors of ``size`` bytes in all (the stats
+        of this session and of the regions around it)."""
         for stats in self._all_stats():
+            stats.tensors += count
+            stats.bytes += size
             stats.transfers += 1
+            stats.largest_transfer = max(stats.largest_transfer, transfer)
 
     def _wait_writes(self, count: int) -> None:
         for record in list(self._inflight)[:count]:
@@ -624,6 +654,10 @@ class Session:
             candidates = [p for p in upcoming if p not in resident]
         else:
             candidates = schedule.prefetch_candidates(current, records.keys(), resident, self.depth)
+        if self.blockwise:  # (see end_block: nothing is read ahead into another block's backward)
+            block = records[current].block if current in records else None
+            candidates = [p for p in candidates if records[p].block == block]
+            upcoming = [p for p in upcoming if p in records and records[p].block == block] if upcoming else upcoming
         self._wanted = {p for p in (upcoming or ()) if p in records and records[p].write is not None}
         for position in candidates:
             record = records[position]

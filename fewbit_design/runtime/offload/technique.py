@@ -5,7 +5,14 @@ time stand (the profiler runs the block inside an offload region, so the transfe
 as :func:`.cost.cost` does), except the staging buffer of packed small tensors (``pack_bytes``): the block alone
 allocates it, and it stays in the region's pool for reuse, so it is measured as bytes the block keeps; in a chain
 every block's pack goes through that one buffer. So it is charged once for the step (``pool_bytes``, see
-:class:`~..planner.model.OptionCost`), not as kept by each block."""
+:class:`~..planner.model.OptionCost`), not as kept by each block.
+
+With ``prefetch > 0`` (the planner's ``offload_prefetch``) transfers run on the target's thread while the block
+computes, and their timing varies: a tensor whose write has not finished is still in memory, and backward reads
+up to ``prefetch`` tensors ahead. The planner's offload is ``blockwise`` (:meth:`~.session.Session.end_block`): no
+transfer holds memory outside its block, so a block's peaks exceed the synchronous ones by at most ``prefetch``
+times its largest transfer, and that bound (``peak_allowance``) is added to the measured forward and backward peaks:
+the prediction stays an upper bound whatever the timing (it is exact at ``prefetch=0``)."""
 
 from __future__ import annotations
 
@@ -41,6 +48,12 @@ class _ProfiledRegion:
     def pool_bytes(self) -> int:
         return int(self._region._options.staging.held_bytes)
 
+    @property
+    def facts(self) -> dict[str, int]:
+        options = self._region._options
+        largest = int(self._stats.largest_transfer) if self._stats is not None else 0
+        return {"peak_allowance": options.prefetch * largest}
+
 
 def _region(options: Mapping[str, Any]) -> Any:
     return _ProfiledRegion(options)
@@ -56,10 +69,15 @@ def _cost(cost: Any, facts: Mapping[str, int]) -> Any:
     if facts.get("offloaded_bytes", 0) <= 0:
         return None  # nothing large enough to offload
     pool = facts.get("pool_bytes", 0)  # allocated at the end of the block's forward, where its bytes peak
-    if pool <= 0:
+    allowance = facts.get("peak_allowance", 0)  # transfers in flight (prefetch > 0): see the module docstring
+    if pool <= 0 and allowance <= 0:
         return cost
     return dataclasses.replace(
-        cost, forward_peak=cost.forward_peak - pool, kept=cost.kept - pool, pool_bytes=cost.pool_bytes + pool
+        cost,
+        forward_peak=cost.forward_peak - pool + allowance,
+        backward_peak=cost.backward_peak + allowance,
+        kept=cost.kept - pool,
+        pool_bytes=cost.pool_bytes + pool,
     )
 
 

@@ -1,24 +1,25 @@
-"""A background thread that runs I/O jobs in order and exits as soon as it has nothing to do.
+"""A background thread that runs I/O jobs in order, started once per target and waiting between jobs.
 
 Jobs hold no reference to the offload session, so a session is freed (and its file closed) as soon as autograd
-drops its graph, whatever is queued. The thread starts on the first job and ends when the queue is empty: when no
-transfer is in flight, no thread runs. Pure Python (no torch).
+drops its graph, whatever is queued. The thread starts on the first job and then waits for the next one on a C
+lock; it ends when the worker is closed (the step's target is closed) or after ``LINGER_SECONDS`` without a job, so
+no thread outlives a step for long, and none runs while nothing is queued for that long. Pure Python (no torch).
 
-Why a thread per burst and not one that waits for the next job (issue 26, measured on the loaded 2-core machine, a
-4-block GPT-2 of width 64, batch 2 x 512, offload on every block, 31 interleaved rounds): a step starts about 12
-threads per block (the queue empties between saved tensors), and a thread that instead waited on a lock for 0.25 s
-removed those starts (the training thread's CPU time fell from 1.24x to 1.15x eager's) but made the step slower
-(median 1.28x eager's against 1.17x): ``Thread.start`` blocks the training thread until the new thread runs, so
-the write begins at once, while a woken thread waits for the scheduler behind the training thread on a busy CPU,
-and forward then waits for the write (at most ``depth`` in flight). On a machine with an idle core the two should
-be alike; re-measure there before changing this.
+Why one thread that waits, and not a thread per burst (issue 26): until session 5 the thread ended as soon as its
+queue was empty, and the queue empties between saved tensors, so a step started a thread about every transfer
+(216 on the 12-layer LLaMA benchmark model with ``prefetch=2``: ``Thread.start`` costs tens of microseconds of the
+training thread's time each and, on a loaded machine, a wait for the scheduler). A waiting thread is woken by
+releasing a lock. (Session 4 measured a thread that waited 0.25 s as slower on the loaded 2-core machine: the woken
+thread queued behind the training thread. Offloading under the planner writes synchronously, ``prefetch=0``, and
+runs no thread at all; ``prefetch > 0`` is for machines with a core to spare.)
 
 Interrupts. A ``KeyboardInterrupt`` is raised in the main thread after any call returns, also inside the Python
 code of ``threading`` (``Thread.start``, ``Event.wait``, ``Condition.wait``), where it can leave a lock held
 forever: a new thread then blocks for good on its ``started`` event, or a worker on a job's ``done`` event, and the
 next close hangs. So the main thread waits here only on plain C locks (``_thread.allocate_lock``), a new thread is
 started with Ctrl-C held back until ``Thread.start`` returns (:func:`start_thread`), a loop counts itself in when
-it runs, and :meth:`Worker.close` polls the count of jobs being run (taken from the queue under the lock) rather
+it runs, a waiting loop is woken by releasing a plain lock (never waited on by the main thread), and
+:meth:`Worker.close` polls the count of jobs being run (taken from the queue under the lock) rather
 than joining a thread. After :meth:`Worker.close` returns, no job of this worker runs or will run.
 """
 
@@ -33,10 +34,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["Job", "Worker", "THREAD_PREFIX", "start_thread"]
+__all__ = ["Job", "Worker", "THREAD_PREFIX", "LINGER_SECONDS", "start_thread"]
 
 THREAD_PREFIX = "fewbit-offload"
 _names = itertools.count()
+LINGER_SECONDS = 0.1  # a thread with nothing to do for this long ends (a step's transfers come far closer)
 _POLL_SECONDS = 0.0005  # Worker.close waits for a running job (a transfer of at most 1 GiB) in steps of this
 
 
@@ -112,16 +114,23 @@ class Job:
 
 
 class Worker:
-    """Runs submitted jobs one after another on a thread that exists only while jobs are queued."""
+    """Runs submitted jobs one after another on one thread, started by the first job; it waits for the next job
+    and ends when the worker is closed or after ``linger`` seconds without one (default ``LINGER_SECONDS``; a later
+    job starts it again)."""
 
-    def __init__(self, label: str) -> None:
+    def __init__(self, label: str, linger: float | None = None) -> None:
         self._label = label
+        self._linger = LINGER_SECONDS if linger is None else linger
         self._queue: deque[Job] = deque()
         self._lock = threading.Lock()
         self._loops = 0  # loops running (each counts itself in, so a start that never happened is never counted)
         self._starting = False  # a thread was started and has not counted itself in yet
         self._running = 0  # jobs taken from the queue and not finished
         self._closed = False
+        self._waiting = False  # the loop waits on ``_wake`` (held while nobody released it)
+        self._wake = _thread.allocate_lock()
+        self._wake.acquire()
+        self.started = 0  # threads started by this worker (one per step unless it lingered out in between)
 
     def submit(self, job: Job) -> Job:
         with self._lock:
@@ -132,12 +141,21 @@ class Worker:
             start = self._loops == 0 and not self._starting
             if start:
                 self._starting = True
+            else:
+                self._wake_loop()
         if start:
             self._start()
         return job
 
+    def _wake_loop(self) -> None:
+        """Wake the waiting loop (under ``_lock``)."""
+        if self._waiting:
+            self._waiting = False
+            self._wake.release()
+
     def _start(self) -> None:
         thread = threading.Thread(target=self._loop, name=f"{THREAD_PREFIX}-{self._label}-{next(_names)}", daemon=True)
+        self.started += 1
         try:
             start_thread(thread)
         except BaseException:  # (an interrupt after the start, or a thread the system could not start)
@@ -155,11 +173,27 @@ class Worker:
             self._loops += 1
         while True:
             with self._lock:
-                if not self._queue:
+                if self._queue:
+                    job = self._queue.popleft()
+                    self._running += 1
+                elif self._closed:
                     self._loops -= 1
                     return
-                job = self._queue.popleft()
-                self._running += 1
+                else:
+                    job = None
+                    self._waiting = True
+            if job is None:
+                woken = self._wake.acquire(timeout=self._linger)
+                with self._lock:
+                    if not woken:
+                        if self._waiting:  # nobody came: end (a later submit starts a new thread)
+                            self._waiting = False
+                            if not self._queue:
+                                self._loops -= 1
+                                return
+                        else:  # released after the timeout: take the release back (returns at once)
+                            self._wake.acquire()
+                continue
             try:
                 job.run()
             finally:
@@ -172,10 +206,11 @@ class Worker:
         with self._lock:
             self._closed = True
             queued, self._queue = list(self._queue), deque()
+            self._wake_loop()
         for job in queued:
             job.cancel(error)
         while True:
             with self._lock:
-                if not (self._running or self._loops):
+                if not (self._running or self._loops or self._starting):
                     return
             time.sleep(_POLL_SECONDS)

@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
+from ...errors import FewBitError, check_choice, check_integer, check_keys, parse_budget, resolve_budget, show
 from .. import memory
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
 from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
@@ -559,6 +559,7 @@ def plan_memory(
     offload_min_bytes: int = 1 << 20,
     offload_pack_bytes: int = 0,
     offload_target: str = "auto",
+    offload_prefetch: int = 0,
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
     technique_settings: dict[str, Any] | None = None,
@@ -593,8 +594,12 @@ def plan_memory(
             floor and small tensors cost one transfer per block instead of one each. Default 0 (no packing): a
             packed block keeps its small tensors until it returns (its forward peak is the plain one), so where
             memory matters more than time per-tensor transfers (``offload_min_bytes=0`` alone) can plan lower.
-        offload_target: offload's ``target``; offloading runs with ``prefetch=0`` (synchronous: the tensor leaves
-            memory when it is saved, so the prediction holds).
+        offload_target: offload's ``target``.
+        offload_prefetch: offload's ``prefetch``: 0 (default) writes and reads synchronously (a tensor leaves
+            memory when it is saved; the predicted peak is exact); ``k > 0`` runs transfers on a thread, up to ``k``
+            in flight, overlapped with compute (faster where a core or a copy engine is free), and the plan's
+            offload is ``blockwise`` (no transfer crosses its block), so each offloaded block's predicted peaks
+            carry ``k`` times its largest transfer: an upper bound, never under the measured peak.
         repeats: timed runs per measurement, at least; more (up to three times as many) until the median is
             stable. Options whose medians differ by less than their spreads (half the range of their runs) are
             a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
@@ -651,7 +656,8 @@ def plan_memory(
         "min_bytes": int(offload_min_bytes),
         "pack_bytes": int(offload_pack_bytes),
         "target": offload_target,
-        "prefetch": 0,
+        "prefetch": check_integer("offload_prefetch", offload_prefetch, low=0),
+        "blockwise": True,
     }
     from .. import registry
 

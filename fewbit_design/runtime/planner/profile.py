@@ -334,6 +334,7 @@ class _Measure:
             "saved_bytes": run.saved_bytes,
             "offloaded_bytes": run.region.bytes,
             "pool_bytes": run.region.pool_bytes,
+            **run.region.facts,
         }
 
         def timed_step() -> None:

@@ -53,7 +53,7 @@ SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
 SETTINGS_OPTIONAL = ("approximate",)  # absent in plans saved before it existed (APPROXIMATE_DEFAULT)
 OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
 # offload.apply's other arguments (for a plan edited by hand; pack_bytes is absent in plans saved before it existed)
-OFFLOAD_OPTIONAL = ("max_host_bytes", "directory", "pack_bytes")
+OFFLOAD_OPTIONAL = ("max_host_bytes", "directory", "pack_bytes", "blockwise")
 FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
 MEASURED_FIELDS = ("peak_bytes", "step_seconds", "saved_bytes", "timeline")
 MEASURED_OPTIONAL = ("marks", "rss_peak_bytes")  # absent in plans measured before they existed; rss null where not
@@ -164,6 +164,8 @@ def _check_settings(settings: Any) -> tuple[str, ...]:
     check_integer("settings.offload.prefetch", offload["prefetch"], low=0)
     if "pack_bytes" in offload:
         check_integer("settings.offload.pack_bytes", offload["pack_bytes"], low=0)
+    if "blockwise" in offload:
+        check_boolean("settings.offload.blockwise", offload["blockwise"])
     if offload.get("max_host_bytes") is not None:
         check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
     if offload.get("directory") is not None:

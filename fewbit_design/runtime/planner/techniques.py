@@ -132,6 +132,15 @@ class option_region(ExitStack):  # noqa: N801  (a context manager used like a fu
     def pool_bytes(self) -> int:
         return sum(int(getattr(s, "pool_bytes", 0)) for s in self._stats)
 
+    @property
+    def facts(self) -> dict[str, int]:
+        """Other numbers the regions measured for their technique's cost model (offload's ``peak_allowance``)."""
+        found: dict[str, int] = {}
+        for stats in self._stats:
+            for key, value in getattr(stats, "facts", {}).items():
+                found[key] = found.get(key, 0) + int(value)
+        return found
+
 
 def charge(cost: Any, option: str, facts: Mapping[str, int]) -> Any:
     """What the planner charges for a block under ``option``: each technique's cost model in registry order applied
