@@ -205,7 +205,10 @@ def _hook_modules() -> None:
     guards on a module's hooks (their number, their ids) and on what a traced hook reads, so each measurement (new
     hooks), each step after it (none) and each block of a chain (another name) failed the guards, and a chain of
     more blocks than the recompile limit (8) ran its last blocks eagerly. (A compiled region's saves are attributed
-    to the module that was running when it was entered, as before: a compiled graph saves when it returns.)"""
+    to the module that was running when it was entered, as before: a compiled graph saves when it returns.) Removing
+    them when the last block closes makes the next compiled step recompile (dynamo guards on the global hooks too), so
+    they stay; one cost is torch's warning that ``torch.compile(module)`` called after a measurement fires global
+    hooks twice (harmless here: the wrapper is no module of a measured model)."""
     if not _GLOBAL_HOOKS:
         from torch.nn.modules import module as module_hooks
 

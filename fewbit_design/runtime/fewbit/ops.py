@@ -210,11 +210,20 @@ class _FewBitFunction(torch.autograd.Function):
         # (about 20 us, as much as a native GELU of 2^14 elements); every caller here passes all seven positionally,
         # so that binding is the identity: eager calls outside torch.func go straight to the C++ apply, as torch's
         # own apply does after binding. torch.compile and torch.func keep torch's path.
-        # Of the arguments only x can be a dead functorch wrapper (one that escaped a finished transform): the table
-        # tensors are module buffers or cached table tensors, and the rest are not tensors.
+        # Dead functorch wrappers (tensors that escaped a finished transform, x or a table tensor read through
+        # torch.func.functional_call) are unwrapped: the five tensor arguments, one C call each.
         if torch.compiler.is_compiling() or torch._C._are_functorch_transforms_active():
             return super().apply(*args)
-        return super(torch.autograd.Function, cls).apply(_unwrap_if_dead(args[0]), *args[1:])
+        x, boundaries, interval_codes, levels32, levels64, bits, native = args
+        return super(torch.autograd.Function, cls).apply(
+            _unwrap_if_dead(x),
+            _unwrap_if_dead(boundaries),
+            _unwrap_if_dead(interval_codes),
+            _unwrap_if_dead(levels32),
+            _unwrap_if_dead(levels64),
+            bits,
+            native,
+        )
 
     @staticmethod
     def forward(x, boundaries, interval_codes, levels32, levels64, bits, native):
