@@ -74,6 +74,10 @@ def _attention(
     repeat: int,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     k, v = _repeat(k, repeat), _repeat(v, repeat)
+    # the kernel's output follows q's layout: q in (B, S, H, D) memory order (a no-op for HF's RoPE output, which is
+    # laid out so) gives an output whose transpose(1, 2).contiguous() for o_proj is the same storage, so o_proj and
+    # this op's backward keep one tensor, compiled as in eager
+    q = q.transpose(1, 2).contiguous().transpose(1, 2)
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
         q, k, v, 0.0, is_causal, attn_mask=_kernel_mask(mask, q.dtype), scale=scale
     )
@@ -82,9 +86,11 @@ def _attention(
 @_attention.register_fake
 def _(q, k, v, x, weight, bias, mask, scale, is_causal, repeat):
     batch, heads, length, _ = q.shape
-    # the CPU kernel's layouts: the output follows q's, the log-sum-exp is (B, S, H) transposed
+    # the CPU kernel's layouts: the output follows q's, here (B, S, H, D) memory order; the log-sum-exp is (B, S, H)
+    # transposed
     log_sum_exp = q.new_empty((batch, length, heads), dtype=torch.float32).transpose(1, 2)
-    return torch.empty_like(q), log_sum_exp
+    output = q.new_empty((batch, length, heads, q.shape[-1])).transpose(1, 2)
+    return output, log_sum_exp
 
 
 @torch.library.custom_op("fewbit::value_recompute_attention_backward", mutates_args=())
@@ -160,6 +166,25 @@ def _views(v: torch.Tensor, projected: torch.Tensor) -> bool:
     )
 
 
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _native_picks_flash(q, k, v, mask, scale, is_causal, repeat) -> bool:
+    """Whether native SDPA would run the CPU flash kernel. In eager, torch's own choice; under torch.compile that
+    call returns a Python int, which dynamo cannot trace (a graph break at every layer), so the checks it makes for
+    CPU flash on these inputs are made here: 4-d dense inputs of a supported dtype, one head size, non-empty
+    sequences, unit stride along the head dimension (the ``torch.backends.cuda.enable_flash_sdp`` switch breaks the
+    graph too when read, so a compiled model ignores it)."""
+    if not torch.compiler.is_compiling():
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=repeat > 1)
+        return choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    tensors = (q, k, v)
+    return (
+        all(t.dim() == 4 and t.dtype in _FLASH_DTYPES and t.stride(-1) == 1 and t.shape[-2] > 0 for t in tensors)
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+    )
+
+
 def value_recompute_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -199,8 +224,7 @@ def value_recompute_attention(
         return None
     # the kernel native picks (the choice reads shapes, dtypes and the mask: unrepeated k and v with enable_gqa ask
     # the same question without the copy)
-    choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=repeat > 1)
-    if choice != int(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+    if not _native_picks_flash(q, k, v, mask, scale, is_causal, repeat):
         return None
     output, _ = torch.ops.fewbit.value_recompute_attention(
         q, k, v, x, projection.weight, projection.bias, mask, scale, is_causal, repeat

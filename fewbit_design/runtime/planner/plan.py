@@ -595,11 +595,10 @@ def plan_memory(
             packed block keeps its small tensors until it returns (its forward peak is the plain one), so where
             memory matters more than time per-tensor transfers (``offload_min_bytes=0`` alone) can plan lower.
         offload_target: offload's ``target``.
-        offload_prefetch: offload's ``prefetch``: 0 (default) writes and reads synchronously (a tensor leaves
-            memory when it is saved; the predicted peak is exact); ``k > 0`` runs transfers on a thread, up to ``k``
-            in flight, overlapped with compute (faster where a core or a copy engine is free), and the plan's
-            offload is ``blockwise`` (no transfer crosses its block), so each offloaded block's predicted peaks
-            carry ``k`` times its largest transfer: an upper bound, never under the measured peak.
+        offload_prefetch: offload's ``prefetch``: 0 (default) transfers synchronously (a tensor leaves memory when
+            it is saved; the predicted peak is exact); ``k > 0`` runs up to ``k`` transfers on a thread, overlapped
+            with compute, and the plan's offload is ``blockwise`` (no transfer crosses its block), so each offloaded
+            block's predicted peaks carry ``k`` times its largest transfer: an upper bound on the measured peak.
         repeats: timed runs per measurement, at least; more (up to three times as many) until the median is
             stable. Options whose medians differ by less than their spreads (half the range of their runs) are
             a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
