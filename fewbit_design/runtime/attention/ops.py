@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.quant import GROUP_SIZE, check_options
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups
 
 __all__ = ["compressed_attention", "attention_backward_reference", "native_attention"]
 
@@ -88,19 +88,24 @@ def attention_backward_reference(
     q32, g32 = q.to(compute), grad.to(compute)
     k32, v32 = _repeat(k.to(compute), repeat), _repeat(v.to(compute), repeat)
     factor = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q32, k32.transpose(-2, -1)) * factor
+    # the S x S temporaries are updated in place (the same values as out-of-place ops, fewer passes and allocations)
+    scores = torch.matmul(q32, k32.transpose(-2, -1)).mul_(factor)
     if is_causal:
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(above, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(compute)
+        scores = (
+            scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask.to(compute))
+        )
     # a row with every key masked has no distribution: zero probabilities, so zero gradients
-    probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probabilities = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    del scores
     output = torch.matmul(probabilities, v32)
     grad_v = torch.matmul(probabilities.transpose(-2, -1), g32)
-    grad_p = torch.matmul(g32, v32.transpose(-2, -1))
     # dS = P * (dP - rowsum(g * O)): the softmax Jacobian
-    grad_s = probabilities * (grad_p - (g32 * output).sum(-1, keepdim=True)) * factor
+    grad_s = torch.matmul(g32, v32.transpose(-2, -1)).sub_((g32 * output).sum(-1, keepdim=True))
+    grad_s.mul_(probabilities).mul_(factor)
+    del probabilities
     grad_q = torch.matmul(grad_s, k32)
     grad_k = torch.matmul(grad_s.transpose(-2, -1), q32)
     if repeat > 1:
@@ -146,7 +151,7 @@ def _compressed_attention_backward(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     decoded = [
-        torch.ops.fewbit.group_dequantize(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
+        dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
         for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
     ]
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)

@@ -54,7 +54,14 @@ import torch
 
 from ...errors import FewBitError
 from ..linear.ops import _codes as input_codes
-from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_groups, saved_nbytes
+from ..linear.quant import (
+    GROUP_SIZE,
+    check_options,
+    dequantize_groups,
+    dequantize_shared,
+    quantize_groups,
+    saved_nbytes,
+)
 from .ops import (
     SECOND_ORDER_MESSAGE,
     _activation,
@@ -171,12 +178,12 @@ def _backward_op(
         grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
         if not weight_grad:
             return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
-        x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+        x = dequantize_shared(x_packed, x_scales, hidden, bits, group_size, dtype)  # read by the norm too
         return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), _empty(grad), _empty(grad), grad_w_down, grad_b_down
     grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else _empty(grad)
     if not weight_grad:
         return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
-    x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+    x = dequantize_shared(x_packed, x_scales, hidden, bits, group_size, dtype)  # read by the norm too
     return (
         grad_x,
         grad_gate.t().mm(x),

@@ -136,3 +136,20 @@ def test_compiled_equals_eager():
     assert torch.equal(output, run(q, k, v))
     for a, b in zip(torch.autograd.grad(output, (q, k, v), grad), eager, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("causal, mask_kind", [(True, None), (False, "bool"), (False, "float")])
+def test_backward_keeps_few_score_sized_temporaries(causal, mask_kind):
+    """The backward's S x S temporaries are updated in place: at most 3 score-sized float tensors live at once (the
+    out-of-place formula peaked at 5.4), with the same values as before (test_backward_formula_is_sdpa_gradient)."""
+    length = 64
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, length, 8, generator=generator) for _ in range(4))
+    mask = None
+    if mask_kind == "bool":
+        mask = torch.rand(1, 1, length, length, generator=generator) > 0.3
+    elif mask_kind == "float":
+        mask = torch.randn(1, 1, length, length, generator=generator)
+    with memory.peak(q, k, v, grad, *(t for t in (mask,) if t is not None)) as peak:
+        attention_backward_reference(grad, q, k, v, mask, None, causal)
+    assert peak.peak_bytes < 3 * 2 * length * length * 4
