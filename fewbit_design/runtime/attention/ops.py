@@ -28,7 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups
+from .._eager import eager_twin, tracing
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_codes
 
 __all__ = ["compressed_attention", "attention_backward_reference", "native_attention"]
 
@@ -115,8 +116,7 @@ def attention_backward_reference(
     return grad_q.to(dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
-@torch.library.custom_op("fewbit::compressed_attention", mutates_args=())
-def _compressed_attention(
+def _compressed_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -132,13 +132,17 @@ def _compressed_attention(
     return native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa)
 
 
+_compressed_attention = torch.library.custom_op("fewbit::compressed_attention", mutates_args=())(
+    _compressed_attention_impl
+)
+
+
 @_compressed_attention.register_fake
 def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
-@torch.library.custom_op("fewbit::compressed_attention_backward", mutates_args=())
-def _compressed_attention_backward(
+def _compressed_attention_backward_impl(
     grad: torch.Tensor,
     mask: torch.Tensor | None,
     codes: list[torch.Tensor],
@@ -157,6 +161,11 @@ def _compressed_attention_backward(
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)
 
 
+_compressed_attention_backward = torch.library.custom_op("fewbit::compressed_attention_backward", mutates_args=())(
+    _compressed_attention_backward_impl
+)
+
+
 @_compressed_attention_backward.register_fake
 def _(grad, mask, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size):
     return tuple(grad.new_empty(shape) for shape in (q_shape, k_shape, v_shape))
@@ -172,13 +181,15 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: torch.Tensor):
     mask, *codes = ctx.saved_tensors
     scale, is_causal, bits, group_size = ctx.options
-    grad_q, grad_k, grad_v = torch.ops.fewbit.compressed_attention_backward(
-        grad.contiguous(), mask, codes, *ctx.shapes, scale, is_causal, bits, group_size
+    operator = (
+        torch.ops.fewbit.compressed_attention_backward if tracing(grad, *codes) else _compressed_attention_backward_impl
     )
+    grad_q, grad_k, grad_v = operator(grad.contiguous(), mask, codes, *ctx.shapes, scale, is_causal, bits, group_size)
     return grad_q, grad_k, grad_v, None, [None] * len(codes), None, None, None, None, None, None
 
 
 _compressed_attention.register_autograd(_backward, setup_context=_setup_context)
+_CompressedAttentionEager = eager_twin(_compressed_attention_impl, _setup_context, _backward)
 
 
 def compressed_attention(
@@ -223,7 +234,8 @@ def compressed_attention(
     seed = torch.zeros((), dtype=torch.int64)  # nearest rounding draws no noise
     codes: list[torch.Tensor] = []
     for tensor in (q, k, v):
-        codes.extend(torch.ops.fewbit.group_quantize(tensor.detach(), bits, group_size, False, seed))
-    return torch.ops.fewbit.compressed_attention(
-        q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size
-    )
+        codes.extend(quantize_codes(tensor, bits, group_size, False, seed))
+    arguments = (q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size)
+    if tracing(q, k, v, mask):
+        return torch.ops.fewbit.compressed_attention(*arguments)
+    return _CompressedAttentionEager.apply(*arguments)

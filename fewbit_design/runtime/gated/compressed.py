@@ -53,6 +53,7 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError
+from .._eager import eager_twin, tracing
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import (
     GROUP_SIZE,
@@ -92,8 +93,7 @@ def saved_nbytes_per_token(hidden: int, width: int, *, bits: int, group_size: in
 # Custom ops
 
 
-@torch.library.custom_op("fewbit::gated_mlp_compressed", mutates_args=())
-def _forward_op(
+def _forward_impl(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
@@ -122,6 +122,9 @@ def _forward_op(
     return y, gate_packed, gate_scales, up_packed, up_scales
 
 
+_forward_op = torch.library.custom_op("fewbit::gated_mlp_compressed", mutates_args=())(_forward_impl)
+
+
 @_forward_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, bits, group_size, stochastic, seed, x_packed,
       x_scales):  # fmt: skip
@@ -142,8 +145,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
-@torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     grad: torch.Tensor,
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
@@ -195,6 +197,9 @@ def _backward_op(
     )
 
 
+_backward_op = torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())(_backward_impl)
+
+
 @_backward_op.register_fake
 def _(grad, x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down, activation,
       bits, group_size, input_grad, weight_grad):  # fmt: skip
@@ -234,23 +239,22 @@ def _backward(ctx, grad, *_):
     x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad
     weight_grad = bool(needs[1] or needs[2] or needs[3] or needs[4])
-    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = (
-        torch.ops.fewbit.gated_mlp_compressed_backward(
-            grad.contiguous(),
-            x_packed,
-            x_scales,
-            gate_packed,
-            gate_scales,
-            up_packed,
-            up_scales,
-            w_gate,
-            w_up,
-            w_down,
-            *ctx.options,
-            bool(needs[0]),
-            weight_grad,
-        )  # fmt: skip
-    )
+    operator = torch.ops.fewbit.gated_mlp_compressed_backward if tracing(grad, x_packed) else _backward_impl
+    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = operator(
+        grad.contiguous(),
+        x_packed,
+        x_scales,
+        gate_packed,
+        gate_scales,
+        up_packed,
+        up_scales,
+        w_gate,
+        w_up,
+        w_down,
+        *ctx.options,
+        bool(needs[0]),
+        weight_grad,
+    )  # fmt: skip
     has_b_gate, has_b_up, has_b_down = ctx.biases
     return (
         grad_x if needs[0] else None,
@@ -265,6 +269,7 @@ def _backward(ctx, grad, *_):
 
 
 torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)
+_GatedCompressedEager = eager_twin(_forward_impl, _setup_context, _backward)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -318,7 +323,6 @@ def gated_mlp_compressed(
             x_packed, x_scales = rows.new_empty(0, dtype=torch.uint8), rows.new_empty(0, 0, 2, dtype=torch.float32)
         # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-        y, *_ = torch.ops.fewbit.gated_mlp_compressed(
-            rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales
-        )
+        operator = torch.ops.fewbit.gated_mlp_compressed if tracing(rows, w_gate) else _GatedCompressedEager.apply
+        y, *_ = operator(rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales)
     return y.reshape(*leading, y.shape[-1])

@@ -51,6 +51,7 @@ import weakref
 import torch
 
 from ...errors import check_bits, check_choice, check_integer
+from .._eager import tracing
 from .._packing import _numba_available, pack, packed_nbytes, unpack
 
 __all__ = [
@@ -64,6 +65,8 @@ __all__ = [
     "dequantize_groups",
     "dequantize_groups_reference",
     "dequantize_shared",
+    "quantize_codes",
+    "dequantize_codes",
     "group_quantize",
     "group_dequantize",
 ]
@@ -285,6 +288,43 @@ def dequantize_groups_reference(
     codes = codes.reshape(rows, groups, group_size).to(torch.float32)
     values = torch.addcmul(scales[..., :1], codes, scales[..., 1:])
     return values.reshape(rows, groups * group_size)[:, :features].to(dtype)
+
+
+def quantize_codes(
+    x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fewbit::group_quantize`` of ``x.detach()``: the custom op under ``torch.compile``, :func:`quantize_groups`
+    itself in eager (the same bytes, without the custom-op dispatch).
+
+    Args:
+        x: the values, features last
+        bits: bits per code
+        group_size: values per group along the features
+        stochastic: stochastic rounding instead of nearest
+        seed: the seed, a 0-dim int64 tensor
+    """
+    if tracing(x, seed):
+        return torch.ops.fewbit.group_quantize(x.detach(), bits, group_size, stochastic, seed)
+    return quantize_groups(x.detach(), bits, group_size, stochastic=stochastic, seed=int(seed))
+
+
+def dequantize_codes(
+    packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``fewbit::group_dequantize``: the custom op under ``torch.compile`` (a traced backward included),
+    :func:`dequantize_shared` itself in eager. The result must only be read.
+
+    Args:
+        packed: the packed codes
+        scales: their (low, step) per group
+        features: the feature count (the last dimension)
+        bits: bits per code
+        group_size: values per group
+        dtype: the dtype of the result
+    """
+    if tracing(packed, scales):
+        return torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, dtype)
+    return dequantize_shared(packed, scales, features, bits, group_size, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
