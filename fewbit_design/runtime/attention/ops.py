@@ -9,7 +9,8 @@ group, nearest rounding) and nothing else of size S x S or of the output:
 
 * forward: ``F.scaled_dot_product_attention`` with the caller's arguments (GQA by ``enable_gqa`` or by the same
   expand-and-reshape as Hugging Face's ``repeat_kv``): bitwise the native call;
-* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32, float64 for float64):
+* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32, float64 for float64; float32
+  without a mask on the CPU through torch's flash-attention kernels, :func:`attention_backward_flash`):
   ``P = softmax(q~ k~^T scale + mask)``, ``O~ = P v~``, ``dV = P^T g``, ``dP = g v~^T``, ``dS = P (dP - rowsum(g
   O~))``, ``dQ = dS k~ scale``, ``dK = dS^T q~ scale``; key/value gradients summed over the query heads of each
   group. The scores exist only while the backward runs. Rows whose every key is masked give zero gradients.
@@ -31,7 +32,7 @@ import torch
 from .._eager import eager_twin, tracing
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_codes
 
-__all__ = ["compressed_attention", "attention_backward_reference", "native_attention"]
+__all__ = ["compressed_attention", "attention_backward_reference", "attention_backward_flash", "native_attention"]
 
 
 def _repeat(x: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -158,7 +159,42 @@ def _compressed_attention_backward_impl(
         dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
         for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
     ]
+    if mask is None and grad.dtype == torch.float32 and grad.device.type == "cpu":
+        return attention_backward_flash(grad, *decoded, scale, is_causal)
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)
+
+
+def attention_backward_flash(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_backward_reference` without a mask, through torch's CPU flash-attention kernels: the forward
+    recomputed for its log-sum-exp, then its backward (blockwise: no S x S tensor; float32 accumulation as the
+    reference, the sums in another order, so equal to it to float32 rounding). The compressed op's backward takes
+    it for float32 on the CPU without a mask (1.3x faster than the reference at B, H, S, D = 4, 4, 128, 64); for
+    bfloat16 the reference is faster, and a mask may leave rows without keys, which the reference handles.
+
+    Args:
+        grad: gradient of the output, (B, H, S, D), contiguous
+        q: queries (B, H, S, D)
+        k: keys (B, H_kv, S_kv, D)
+        v: values (B, H_kv, S_kv, D_v)
+        scale: the score scale, None for 1 / sqrt(D)
+        is_causal: upper-left causal mask (as SDPA)
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    repeat = heads // kv_heads
+    k_all, v_all = _repeat(k, repeat).contiguous(), _repeat(v, repeat).contiguous()
+    output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k_all, v_all, 0.0, is_causal, scale=scale
+    )
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k_all, v_all, output, logsumexp, 0.0, is_causal, scale=scale
+    )
+    if repeat > 1:
+        batch, _, length, _ = grad_k.shape
+        grad_k = grad_k.reshape(batch, kv_heads, repeat, length, -1).sum(2)
+        grad_v = grad_v.reshape(batch, kv_heads, repeat, length, -1).sum(2)
+    return grad_q, grad_k, grad_v
 
 
 _compressed_attention_backward = torch.library.custom_op("fewbit::compressed_attention_backward", mutates_args=())(
