@@ -172,8 +172,9 @@ def _backward_impl(
     grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
     grad_b_down = grad.sum(0)
     grad_h = grad.mm(w_down)
-    grad_up = grad_h * a
-    grad_gate = _activation_backward(grad_h * up, gate, a, activation)  # act'(gate~) * (dh * up~)
+    # d_up = dh * a~ and dh * up~ in place where a~ is not read again (ReLU's backward reads it): the same values
+    grad_up = grad_h * a if activation == "relu" else a.mul_(grad_h)
+    grad_gate = _activation_backward(grad_h.mul_(up), gate, a, activation)  # act'(gate~) * (dh * up~)
     del a, up, gate, grad_h
     if fused:
         grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
