@@ -9,7 +9,8 @@ group, nearest rounding) and nothing else of size S x S or of the output:
 
 * forward: ``F.scaled_dot_product_attention`` with the caller's arguments (GQA by ``enable_gqa`` or by the same
   expand-and-reshape as Hugging Face's ``repeat_kv``): bitwise the native call;
-* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32, float64 for float64):
+* backward (flash-attention style, from the decoded q~, k~, v~; computed in float32, float64 for float64; float32
+  without a mask on the CPU through torch's flash-attention kernels, :func:`attention_backward_flash`):
   ``P = softmax(q~ k~^T scale + mask)``, ``O~ = P v~``, ``dV = P^T g``, ``dP = g v~^T``, ``dS = P (dP - rowsum(g
   O~))``, ``dQ = dS k~ scale``, ``dK = dS^T q~ scale``; key/value gradients summed over the query heads of each
   group. The scores exist only while the backward runs. Rows whose every key is masked give zero gradients.
@@ -28,9 +29,10 @@ from __future__ import annotations
 
 import torch
 
-from ..linear.quant import GROUP_SIZE, check_options
+from .._eager import eager_twin, tracing
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_codes
 
-__all__ = ["compressed_attention", "attention_backward_reference", "native_attention"]
+__all__ = ["compressed_attention", "attention_backward_reference", "attention_backward_flash", "native_attention"]
 
 
 def _repeat(x: torch.Tensor, repeat: int) -> torch.Tensor:
@@ -88,19 +90,24 @@ def attention_backward_reference(
     q32, g32 = q.to(compute), grad.to(compute)
     k32, v32 = _repeat(k.to(compute), repeat), _repeat(v.to(compute), repeat)
     factor = scale if scale is not None else q.shape[-1] ** -0.5
-    scores = torch.matmul(q32, k32.transpose(-2, -1)) * factor
+    # the S x S temporaries are updated in place (the same values as out-of-place ops, fewer passes and allocations)
+    scores = torch.matmul(q32, k32.transpose(-2, -1)).mul_(factor)
     if is_causal:
-        causal = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-        scores = scores.masked_fill(~causal, float("-inf"))
+        above = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).triu_(1)
+        scores.masked_fill_(above, float("-inf"))
     if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask.to(compute)
+        scores = (
+            scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask.to(compute))
+        )
     # a row with every key masked has no distribution: zero probabilities, so zero gradients
-    probabilities = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    probabilities = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    del scores
     output = torch.matmul(probabilities, v32)
     grad_v = torch.matmul(probabilities.transpose(-2, -1), g32)
-    grad_p = torch.matmul(g32, v32.transpose(-2, -1))
     # dS = P * (dP - rowsum(g * O)): the softmax Jacobian
-    grad_s = probabilities * (grad_p - (g32 * output).sum(-1, keepdim=True)) * factor
+    grad_s = torch.matmul(g32, v32.transpose(-2, -1)).sub_((g32 * output).sum(-1, keepdim=True))
+    grad_s.mul_(probabilities).mul_(factor)
+    del probabilities
     grad_q = torch.matmul(grad_s, k32)
     grad_k = torch.matmul(grad_s.transpose(-2, -1), q32)
     if repeat > 1:
@@ -110,8 +117,7 @@ def attention_backward_reference(
     return grad_q.to(dtype), grad_k.to(k.dtype), grad_v.to(v.dtype)
 
 
-@torch.library.custom_op("fewbit::compressed_attention", mutates_args=())
-def _compressed_attention(
+def _compressed_attention_impl(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -127,13 +133,17 @@ def _compressed_attention(
     return native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa)
 
 
+_compressed_attention = torch.library.custom_op("fewbit::compressed_attention", mutates_args=())(
+    _compressed_attention_impl
+)
+
+
 @_compressed_attention.register_fake
 def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size):
     return q.new_empty(q.shape[:-1] + (v.shape[-1],))
 
 
-@torch.library.custom_op("fewbit::compressed_attention_backward", mutates_args=())
-def _compressed_attention_backward(
+def _compressed_attention_backward_impl(
     grad: torch.Tensor,
     mask: torch.Tensor | None,
     codes: list[torch.Tensor],
@@ -146,10 +156,50 @@ def _compressed_attention_backward(
     group_size: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     decoded = [
-        torch.ops.fewbit.group_dequantize(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
+        dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
         for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
     ]
+    if mask is None and grad.dtype == torch.float32 and grad.device.type == "cpu":
+        return attention_backward_flash(grad, *decoded, scale, is_causal)
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)
+
+
+def attention_backward_flash(
+    grad: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None, is_causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`attention_backward_reference` without a mask, through torch's CPU flash-attention kernels: the forward
+    recomputed for its log-sum-exp, then its backward (blockwise: no S x S tensor; float32 accumulation as the
+    reference, the sums in another order, so equal to it to float32 rounding). The compressed op's backward takes
+    it for float32 on the CPU without a mask (1.3x faster than the reference at B, H, S, D = 4, 4, 128, 64); for
+    bfloat16 the reference is faster, and a mask may leave rows without keys, which the reference handles.
+
+    Args:
+        grad: gradient of the output, (B, H, S, D), contiguous
+        q: queries (B, H, S, D)
+        k: keys (B, H_kv, S_kv, D)
+        v: values (B, H_kv, S_kv, D_v)
+        scale: the score scale, None for 1 / sqrt(D)
+        is_causal: upper-left causal mask (as SDPA)
+    """
+    heads, kv_heads = q.shape[1], k.shape[1]
+    repeat = heads // kv_heads
+    k_all, v_all = _repeat(k, repeat).contiguous(), _repeat(v, repeat).contiguous()
+    output, logsumexp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k_all, v_all, 0.0, is_causal, scale=scale
+    )
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, k_all, v_all, output, logsumexp, 0.0, is_causal, scale=scale
+    )
+    if repeat > 1:
+        batch, _, length, _ = grad_k.shape
+        grad_k = grad_k.reshape(batch, kv_heads, repeat, length, -1).sum(2)
+        grad_v = grad_v.reshape(batch, kv_heads, repeat, length, -1).sum(2)
+    return grad_q, grad_k, grad_v
+
+
+_compressed_attention_backward = torch.library.custom_op("fewbit::compressed_attention_backward", mutates_args=())(
+    _compressed_attention_backward_impl
+)
 
 
 @_compressed_attention_backward.register_fake
@@ -167,13 +217,15 @@ def _setup_context(ctx, inputs, output) -> None:
 def _backward(ctx, grad: torch.Tensor):
     mask, *codes = ctx.saved_tensors
     scale, is_causal, bits, group_size = ctx.options
-    grad_q, grad_k, grad_v = torch.ops.fewbit.compressed_attention_backward(
-        grad.contiguous(), mask, codes, *ctx.shapes, scale, is_causal, bits, group_size
+    operator = (
+        torch.ops.fewbit.compressed_attention_backward if tracing(grad, *codes) else _compressed_attention_backward_impl
     )
+    grad_q, grad_k, grad_v = operator(grad.contiguous(), mask, codes, *ctx.shapes, scale, is_causal, bits, group_size)
     return grad_q, grad_k, grad_v, None, [None] * len(codes), None, None, None, None, None, None
 
 
 _compressed_attention.register_autograd(_backward, setup_context=_setup_context)
+_CompressedAttentionEager = eager_twin(_compressed_attention_impl, _setup_context, _backward)
 
 
 def compressed_attention(
@@ -218,7 +270,8 @@ def compressed_attention(
     seed = torch.zeros((), dtype=torch.int64)  # nearest rounding draws no noise
     codes: list[torch.Tensor] = []
     for tensor in (q, k, v):
-        codes.extend(torch.ops.fewbit.group_quantize(tensor.detach(), bits, group_size, False, seed))
-    return torch.ops.fewbit.compressed_attention(
-        q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size
-    )
+        codes.extend(quantize_codes(tensor, bits, group_size, False, seed))
+    arguments = (q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size)
+    if tracing(q, k, v, mask):
+        return torch.ops.fewbit.compressed_attention(*arguments)
+    return _CompressedAttentionEager.apply(*arguments)

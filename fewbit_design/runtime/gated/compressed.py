@@ -53,8 +53,16 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError
+from .._eager import eager_twin, tracing
 from ..linear.ops import _codes as input_codes
-from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_groups, saved_nbytes
+from ..linear.quant import (
+    GROUP_SIZE,
+    check_options,
+    dequantize_groups,
+    dequantize_shared,
+    quantize_groups,
+    saved_nbytes,
+)
 from .ops import (
     SECOND_ORDER_MESSAGE,
     _activation,
@@ -85,8 +93,7 @@ def saved_nbytes_per_token(hidden: int, width: int, *, bits: int, group_size: in
 # Custom ops
 
 
-@torch.library.custom_op("fewbit::gated_mlp_compressed", mutates_args=())
-def _forward_op(
+def _forward_impl(
     x: torch.Tensor,
     w_gate: torch.Tensor,
     b_gate: torch.Tensor | None,
@@ -115,6 +122,9 @@ def _forward_op(
     return y, gate_packed, gate_scales, up_packed, up_scales
 
 
+_forward_op = torch.library.custom_op("fewbit::gated_mlp_compressed", mutates_args=())(_forward_impl)
+
+
 @_forward_op.register_fake
 def _(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation, bits, group_size, stochastic, seed, x_packed,
       x_scales):  # fmt: skip
@@ -135,8 +145,7 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
-@torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())
-def _backward_op(
+def _backward_impl(
     grad: torch.Tensor,
     x_packed: torch.Tensor,
     x_scales: torch.Tensor,
@@ -163,20 +172,21 @@ def _backward_op(
     grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
     grad_b_down = grad.sum(0)
     grad_h = grad.mm(w_down)
-    grad_up = grad_h * a
-    grad_gate = _activation_backward(grad_h * up, gate, a, activation)  # act'(gate~) * (dh * up~)
+    # d_up = dh * a~ and dh * up~ in place where a~ is not read again (ReLU's backward reads it): the same values
+    grad_up = grad_h * a if activation == "relu" else a.mul_(grad_h)
+    grad_gate = _activation_backward(grad_h.mul_(up), gate, a, activation)  # act'(gate~) * (dh * up~)
     del a, up, gate, grad_h
     if fused:
         grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
         grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
         if not weight_grad:
             return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
-        x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+        x = dequantize_shared(x_packed, x_scales, hidden, bits, group_size, dtype)  # read by the norm too
         return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), _empty(grad), _empty(grad), grad_w_down, grad_b_down
     grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else _empty(grad)
     if not weight_grad:
         return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
-    x = dequantize_groups(x_packed, x_scales, hidden, bits, group_size, dtype)
+    x = dequantize_shared(x_packed, x_scales, hidden, bits, group_size, dtype)  # read by the norm too
     return (
         grad_x,
         grad_gate.t().mm(x),
@@ -186,6 +196,9 @@ def _backward_op(
         grad_w_down,
         grad_b_down,
     )
+
+
+_backward_op = torch.library.custom_op("fewbit::gated_mlp_compressed_backward", mutates_args=())(_backward_impl)
 
 
 @_backward_op.register_fake
@@ -227,23 +240,22 @@ def _backward(ctx, grad, *_):
     x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad
     weight_grad = bool(needs[1] or needs[2] or needs[3] or needs[4])
-    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = (
-        torch.ops.fewbit.gated_mlp_compressed_backward(
-            grad.contiguous(),
-            x_packed,
-            x_scales,
-            gate_packed,
-            gate_scales,
-            up_packed,
-            up_scales,
-            w_gate,
-            w_up,
-            w_down,
-            *ctx.options,
-            bool(needs[0]),
-            weight_grad,
-        )  # fmt: skip
-    )
+    operator = torch.ops.fewbit.gated_mlp_compressed_backward if tracing(grad, x_packed) else _backward_impl
+    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = operator(
+        grad.contiguous(),
+        x_packed,
+        x_scales,
+        gate_packed,
+        gate_scales,
+        up_packed,
+        up_scales,
+        w_gate,
+        w_up,
+        w_down,
+        *ctx.options,
+        bool(needs[0]),
+        weight_grad,
+    )  # fmt: skip
     has_b_gate, has_b_up, has_b_down = ctx.biases
     return (
         grad_x if needs[0] else None,
@@ -258,6 +270,7 @@ def _backward(ctx, grad, *_):
 
 
 torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)
+_GatedCompressedEager = eager_twin(_forward_impl, _setup_context, _backward)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -311,7 +324,6 @@ def gated_mlp_compressed(
             x_packed, x_scales = rows.new_empty(0, dtype=torch.uint8), rows.new_empty(0, 0, 2, dtype=torch.float32)
         # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-        y, *_ = torch.ops.fewbit.gated_mlp_compressed(
-            rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales
-        )
+        operator = torch.ops.fewbit.gated_mlp_compressed if tracing(rows, w_gate) else _GatedCompressedEager.apply
+        y, *_ = operator(rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales)
     return y.reshape(*leading, y.shape[-1])

@@ -18,7 +18,7 @@ Shared inputs: a tensor computed in the forward (it has a ``grad_fn``) that seve
 normalised hidden state feeding the q, k and v projections or a gated MLP's gate and up projections, is quantized
 once per (bits, group size, rounding): the layers save one set of codes, as native saves one x. An input the caller
 created (no ``grad_fn``) is quantized afresh at every call. Under ``torch.compile`` every layer quantizes its input
-itself (no sharing).
+itself (no sharing). In eager the op runs as its autograd.Function twin (:mod:`fewbit_design.runtime._eager`).
 
 Custom ops (``torch.library``, fake kernels, ``register_autograd``): ``fewbit::compressed_linear`` (this op),
 ``fewbit::group_quantize`` and ``fewbit::group_dequantize`` (:mod:`.quant`).
@@ -32,7 +32,8 @@ from typing import Any
 
 import torch
 
-from .quant import GROUP_SIZE, check_options
+from .._eager import eager_twin, tracing
+from .quant import GROUP_SIZE, check_options, dequantize_codes, quantize_codes
 
 __all__ = ["compressed_linear", "native_linear", "share_codes"]
 
@@ -47,8 +48,7 @@ def native_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     return out.view(size_out)
 
 
-@torch.library.custom_op("fewbit::compressed_linear", mutates_args=())
-def _compressed_linear(
+def _compressed_linear_impl(
     x: torch.Tensor,
     weight: torch.Tensor,
     bias: torch.Tensor | None,
@@ -59,6 +59,9 @@ def _compressed_linear(
     transposed: bool,
 ) -> torch.Tensor:
     return native_linear(x, weight, bias, transposed)
+
+
+_compressed_linear = torch.library.custom_op("fewbit::compressed_linear", mutates_args=())(_compressed_linear_impl)
 
 
 @_compressed_linear.register_fake
@@ -85,7 +88,7 @@ def _backward(ctx, grad: torch.Tensor):
         # dX = g W (Linear, W: out x in) or g W^T (Conv1D, W: in x out): exact
         grad_x = rows.mm(weight.t() if transposed else weight).reshape(ctx.x_shape)
     if ctx.needs_input_grad[1]:
-        decoded = torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, grad.dtype)
+        decoded = dequantize_codes(packed, scales, features, bits, group_size, grad.dtype)
         # dW = g^T x~ (Linear) or x~^T g (Conv1D): the only place the codes are read
         grad_weight = decoded.t().mm(rows) if transposed else rows.t().mm(decoded)
     if ctx.has_bias and ctx.needs_input_grad[2]:
@@ -94,6 +97,7 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 _compressed_linear.register_autograd(_backward, setup_context=_setup_context)
+_CompressedLinearEager = eager_twin(_compressed_linear_impl, _setup_context, _backward)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -141,7 +145,7 @@ def _codes(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> tup
     def make():
         # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-        return torch.ops.fewbit.group_quantize(x.detach(), bits, group_size, stochastic, seed)
+        return quantize_codes(x, bits, group_size, stochastic, seed)
 
     return _SHARED.get(x, (bits, group_size, stochastic, x.shape, x.dtype), make)
 
@@ -197,4 +201,7 @@ def compressed_linear(
     if not (torch.is_grad_enabled() and weight.requires_grad):
         return native_linear(x, weight, bias, transposed)
     packed, scales = _codes(x, bits, group_size, rounding == "stochastic")
-    return torch.ops.fewbit.compressed_linear(x, weight, bias, packed, scales, bits, group_size, transposed)
+    arguments = (x, weight, bias, packed, scales, bits, group_size, transposed)
+    if tracing(x, weight):
+        return torch.ops.fewbit.compressed_linear(*arguments)
+    return _CompressedLinearEager.apply(*arguments)  # the same op without the custom-op dispatch (runtime._eager)

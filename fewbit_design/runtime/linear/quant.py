@@ -45,9 +45,13 @@ and the pure-torch ``*_reference`` elsewhere; both give the same bytes and value
 
 from __future__ import annotations
 
+import threading
+import weakref
+
 import torch
 
 from ...errors import check_bits, check_choice, check_integer
+from .._eager import tracing
 from .._packing import _numba_available, pack, packed_nbytes, unpack
 
 __all__ = [
@@ -60,6 +64,9 @@ __all__ = [
     "quantize_groups_reference",
     "dequantize_groups",
     "dequantize_groups_reference",
+    "dequantize_shared",
+    "quantize_codes",
+    "dequantize_codes",
     "group_quantize",
     "group_dequantize",
 ]
@@ -283,6 +290,43 @@ def dequantize_groups_reference(
     return values.reshape(rows, groups * group_size)[:, :features].to(dtype)
 
 
+def quantize_codes(
+    x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``fewbit::group_quantize`` of ``x.detach()``: the custom op under ``torch.compile``, :func:`quantize_groups`
+    itself in eager (the same bytes, without the custom-op dispatch).
+
+    Args:
+        x: the values, features last
+        bits: bits per code
+        group_size: values per group along the features
+        stochastic: stochastic rounding instead of nearest
+        seed: the seed, a 0-dim int64 tensor
+    """
+    if tracing(x, seed):
+        return torch.ops.fewbit.group_quantize(x.detach(), bits, group_size, stochastic, seed)
+    return quantize_groups(x.detach(), bits, group_size, stochastic=stochastic, seed=int(seed))
+
+
+def dequantize_codes(
+    packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """``fewbit::group_dequantize``: the custom op under ``torch.compile`` (a traced backward included),
+    :func:`dequantize_shared` itself in eager. The result must only be read.
+
+    Args:
+        packed: the packed codes
+        scales: their (low, step) per group
+        features: the feature count (the last dimension)
+        bits: bits per code
+        group_size: values per group
+        dtype: the dtype of the result
+    """
+    if tracing(packed, scales):
+        return torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, dtype)
+    return dequantize_shared(packed, scales, features, bits, group_size, dtype)
+
+
 # ----------------------------------------------------------------------------------------------------------------------
 # Custom ops (fake kernels for torch.compile); ``seed`` is a 0-dim int64 tensor so that compiled graphs do not
 # specialise on its value
@@ -305,12 +349,69 @@ def _(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: torch
     return packed, x.new_empty((rows, groups, 2), dtype=torch.float32)
 
 
+class _LastDecoded:
+    """The last decoded (packed, scales) pair, one slot: the backward passes of the layers that share one set of
+    codes (a norm's output read by the q, k and v projections, or by a gated MLP) run one after the other, so the
+    second to the last of them reuse the first one's decoded tensor instead of decoding again (one pass and one
+    allocation each). The values are a pure function of the codes and options, so a hit returns what a decode would.
+    The slot holds a weak reference to the codes (freed codes drop it) and at most one decoded tensor; consumers
+    only read it (codes or a decoded tensor changed in place, whose version moved on, are decoded afresh)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entry: tuple | None = None
+
+    def get(
+        self, packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
+    ) -> torch.Tensor:
+        options = (features, bits, group_size, dtype)
+        with self._lock:
+            entry = self._entry
+        if entry is not None:
+            packed_ref, scales_ref, entry_options, decoded, versions = entry
+            if (
+                packed_ref() is packed
+                and scales_ref() is scales
+                and entry_options == options
+                and versions == (packed._version, scales._version, decoded._version)
+            ):
+                return decoded
+        decoded = dequantize_groups(packed, scales, features, bits, group_size, dtype)
+
+        def forget(_ref, slot=self):
+            with slot._lock:
+                if slot._entry is not None and slot._entry[0] is _ref:
+                    slot._entry = None
+
+        versions = (packed._version, scales._version, decoded._version)
+        with self._lock:
+            self._entry = (weakref.ref(packed, forget), weakref.ref(scales), options, decoded, versions)
+        return decoded
+
+    def clear(self) -> None:
+        with self._lock:
+            self._entry = None
+
+
+_LAST_DECODED = _LastDecoded()
+
+
+def dequantize_shared(
+    packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """:func:`dequantize_groups` for codes that several consumers decode in a row (the inputs of compressed linear
+    layers, shared in eager): the previous call's result when it decoded these very tensors with these options.
+    The result must only be read."""
+    return _LAST_DECODED.get(packed, scales, features, bits, group_size, dtype)
+
+
 @torch.library.custom_op("fewbit::group_dequantize", mutates_args=())
 def group_dequantize(
     packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
-    """:func:`dequantize_groups` as a custom op (``torch.ops.fewbit.group_dequantize``)."""
-    return dequantize_groups(packed, scales, features, bits, group_size, dtype)
+    """:func:`dequantize_shared` as a custom op (``torch.ops.fewbit.group_dequantize``): the codes of a linear input
+    that several layers share are decoded once (eager; the result must only be read)."""
+    return dequantize_shared(packed, scales, features, bits, group_size, dtype)
 
 
 @group_dequantize.register_fake

@@ -48,7 +48,8 @@ import math
 import torch
 
 from ...errors import FewBitError, check_choice
-from ..linear.quant import GROUP_SIZE, check_options
+from .._eager import eager_twin, tracing
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_codes, quantize_groups
 
 __all__ = ["KINDS", "DEFAULT_THRESHOLD", "memory_sharing_norm", "forward_reference", "kept_channels"]
 
@@ -407,8 +408,7 @@ class _ExactNorm(torch.autograd.Function):
 # Compressed mode: the output kept as K-bit group codes
 
 
-@torch.library.custom_op("fewbit::norm_forward_compressed", mutates_args=())
-def _norm_forward_compressed(
+def _norm_forward_compressed_impl(
     x: torch.Tensor,
     weight: torch.Tensor | None,
     bias: torch.Tensor | None,
@@ -422,8 +422,13 @@ def _norm_forward_compressed(
     capacity: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     y, rstd, channels, kept = _norm_forward(x, weight, bias, kind, normalized_ndim, eps, threshold, capacity)
-    packed, scales = torch.ops.fewbit.group_quantize(y.detach(), bits, group_size, True, seed)
+    packed, scales = quantize_groups(y.detach(), bits, group_size, stochastic=True, seed=int(seed))
     return y, rstd, channels, kept, packed, scales
+
+
+_norm_forward_compressed = torch.library.custom_op("fewbit::norm_forward_compressed", mutates_args=())(
+    _norm_forward_compressed_impl
+)
 
 
 @_norm_forward_compressed.register_fake
@@ -446,7 +451,7 @@ def _backward_compressed(ctx, grad, *_):
     rstd, channels, kept, packed, scales, weight, bias = ctx.saved_tensors
     bits, group_size = ctx.options
     features = ctx.y_shape[-1] if len(ctx.y_shape) else 1
-    decoded = torch.ops.fewbit.group_dequantize(packed, scales, features, bits, group_size, ctx.y_dtype)
+    decoded = dequantize_codes(packed, scales, features, bits, group_size, ctx.y_dtype)
     grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
         grad, decoded.reshape(ctx.y_shape), rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
     )
@@ -466,6 +471,7 @@ def _backward_compressed(ctx, grad, *_):
 
 
 _norm_forward_compressed.register_autograd(_backward_compressed, setup_context=_setup_context_compressed)
+_NormCompressedEager = eager_twin(_norm_forward_compressed_impl, _setup_context_compressed, _backward_compressed)
 
 
 def memory_sharing_norm(
@@ -548,9 +554,9 @@ def norm_and_kept_count(
     bits, group_size, _ = check_options(bits, group_size, "stochastic")
     # the seed comes from torch's default CPU generator, as the compressed linears' (torch.manual_seed reproduces)
     seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-    y, _, channels, _, packed, scales = torch.ops.fewbit.norm_forward_compressed(
-        x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, static
-    )
+    arguments = (x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, static)
+    operator = torch.ops.fewbit.norm_forward_compressed if tracing(x, weight) else _NormCompressedEager.apply
+    y, _, channels, _, packed, scales = operator(*arguments)
     share_codes(y, (packed, scales), bits=bits, group_size=group_size, rounding="stochastic")
     return y, channels.shape[0]
 

@@ -11,7 +11,7 @@ import torch
 from test_linear_quant import group_steps
 
 from fewbit_design.runtime import memory
-from fewbit_design.runtime.linear import CompressedLinear, compressed_linear
+from fewbit_design.runtime.linear import CompressedLinear, compressed_linear, ops
 from fewbit_design.runtime.linear.ops import native_linear
 
 GROUP = 64
@@ -137,6 +137,43 @@ def test_layers_taking_one_tensor_save_one_set_of_codes():
     with memory.saved_bytes() as fresh:  # an input from the caller (no grad_fn): its own codes per call
         sum(layer(x.detach()) for layer in (q, k, v)).sum().backward()
     assert fresh.total == 3 * (8 * 64 * 4 // 8 + 8 * 8)
+
+
+def test_layers_sharing_codes_decode_them_once_in_backward(monkeypatch):
+    """The q, k and v projections' backward passes read one set of codes: it is decoded once (one pass and one
+    float allocation instead of three), and each weight gradient is bitwise what a decode of its own gives."""
+    from fewbit_design.runtime.linear import quant
+
+    torch.manual_seed(0)
+    layers = [CompressedLinear(64, 16, bits=8) for _ in range(3)]
+    x = torch.randn(24, 64, requires_grad=True)
+    h = x * 2
+    outputs = [layer(h) for layer in layers]
+    [(packed, scales)] = [entry[2] for entry in ops._SHARED._entries.values() if entry[0]() is h]
+    decoded = quant.dequantize_groups(packed, scales, 64, 8, GROUP, torch.float32)
+    grads_out = [torch.randn_like(out) for out in outputs]
+    expected = [g.t().mm(decoded) for g in grads_out]
+    calls = []
+    decode = quant.dequantize_groups
+    monkeypatch.setattr(quant, "dequantize_groups", lambda *args: calls.append(args[2]) or decode(*args))
+    torch.autograd.backward(outputs, grads_out)
+    assert calls == [64]
+    for layer, want in zip(layers, expected, strict=True):
+        assert torch.equal(layer.weight.grad, want)
+
+
+def test_codes_changed_in_place_are_decoded_afresh():
+    from fewbit_design.runtime.linear import quant
+
+    x = torch.randn(8, 64)
+    packed, scales = quant.quantize_groups(x, 8, GROUP, stochastic=False, seed=0)
+    first = torch.ops.fewbit.group_dequantize(packed, scales, 64, 8, GROUP, torch.float32)
+    assert torch.ops.fewbit.group_dequantize(packed, scales, 64, 8, GROUP, torch.float32) is first
+    assert torch.ops.fewbit.group_dequantize(packed, scales, 64, 8, GROUP, torch.bfloat16).dtype == torch.bfloat16
+    packed.zero_()
+    again = torch.ops.fewbit.group_dequantize(packed, scales, 64, 8, GROUP, torch.float32)
+    assert torch.equal(again, quant.dequantize_groups_reference(packed, scales, 64, 8, GROUP, torch.float32))
+    assert not torch.equal(again, first)
 
 
 def test_changing_the_input_in_place_gives_fresh_codes():
