@@ -5,13 +5,20 @@ step time is compared both absolute and as a ratio to the unconverted step (``pr
 prediction's ratio over the median of the measured per-round ratios), the figure that load from other processes
 does not move. Writes ``benchmarks/results/planner_accuracy.csv``.
 
-    python benchmarks/planner_accuracy.py            # full: 4 layers, width 128, context 256, batches 2 and 4
+    python benchmarks/planner_accuracy.py            # full: 4 layers, width 128, context 256, batches 1, 2 and 4
     python benchmarks/planner_accuracy.py --quick    # seconds: width 64, context 64, one batch
+    python benchmarks/planner_accuracy.py --breakdown [--quick]  # per option: predicted against measured extra time
+
+``--breakdown`` finds which option's time the model misses: each option (alone and combined) applied to the first two
+blocks, the rest plain, every such model and the plain one timed in interleaved rounds; the measured extra time is
+the median of the per-round differences to the plain model, against the option's predicted extra (its block time
+alone minus plain's, summed over the two blocks). Writes ``planner_accuracy_breakdown.csv``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import sys
 from pathlib import Path
@@ -92,20 +99,62 @@ def sweep(layers: int, width: int, context: int, batch: int, steps: int, repeats
     return rows
 
 
+def breakdown(layers: int, width: int, context: int, batch: int, steps: int, repeats: int) -> list[dict]:
+    def build():
+        torch.manual_seed(0)
+        return planner.LanguageModel(vocab=256, layers=layers, width=width, context=context, heads=4)
+
+    example = planner.Tokens(vocab=256, context=context, batch=batch).sample(torch.Generator().manual_seed(1))
+    base = plan_memory(build(), *example, budget=None, loss_fn=lambda o: o, repeats=repeats, approximate="allowed")
+    names = [o.option for o in base.costs.blocks[0].options]
+    plans = {name: dataclasses.replace(base, choices=(name,) * 2 + ("plain",) * (layers - 2)) for name in names}
+    models = {name: plan.apply(build()) for name, plan in plans.items()}
+
+    def step(model):
+        def run():
+            model.zero_grad(set_to_none=True)
+            model(*example).backward()
+
+        return run
+
+    timings = harness.measure({n: step(m) for n, m in models.items()}, repeats=steps, warmup=1, alternate=True)
+    reference = timings["plain"].samples
+    rows = []
+    for name, plan in plans.items():
+        measured = statistics.median(a - b for a, b in zip(timings[name].samples, reference, strict=True))
+        row = {
+            "shape": f"L{layers} w{width} c{context} b{batch}",
+            "option": name,
+            "predicted_extra_ms": plan.predicted_extra_seconds * 1e3,
+            "measured_extra_ms": measured * 1e3,
+            "missed_ms": (measured - plan.predicted_extra_seconds) * 1e3,
+            "plain_step_ms": timings["plain"].median * 1e3,
+        }
+        rows.append(row)
+        print({key: (f"{v:.3f}" if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
+    for model in models.values():
+        handle = getattr(model, "fewbit_offload", None)
+        if handle is not None:
+            handle.remove()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a small model and one batch (seconds)")
     parser.add_argument("--steps", type=int, default=5, help="timed rounds (every plan and the unconverted model)")
     parser.add_argument("--repeats", type=int, default=3, help="timed runs per profiled option (at least)")
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--breakdown", action="store_true", help="per option: predicted against measured extra time")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     harness.set_threads(args.threads)
-    shapes = [(4, 64, 64, 4)] if args.quick else [(4, 128, 256, 2), (4, 128, 256, 4)]
-    rows = [row for shape in shapes for row in sweep(*shape, args.steps, args.repeats)]
-    out = args.out or (
-        harness.scratch("planner_accuracy.csv") if args.quick else harness.RESULTS / "planner_accuracy.csv"
-    )
+    # batch 1 beside 2 and 4: the smaller the step, the larger the share of per-step and per-call costs that the
+    # per-block sum of the time model could miss (the batch-2 checkpoint rows were the ones under-predicted)
+    shapes = [(4, 64, 64, 4)] if args.quick else [(4, 128, 256, 1), (4, 128, 256, 2), (4, 128, 256, 4)]
+    run, name = (breakdown, "planner_accuracy_breakdown.csv") if args.breakdown else (sweep, "planner_accuracy.csv")
+    rows = [row for shape in shapes for row in run(*shape, args.steps, args.repeats)]
+    out = args.out or (harness.scratch(name) if args.quick else harness.RESULTS / name)
     harness.write_csv(out, rows, columns=list(rows[0]), float_format=".4g")
     print(f"wrote {out}")
 
