@@ -7,27 +7,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from dispatched import Dispatched
 
 from fewbit_design.runtime.gated import gated_mlp
 from fewbit_design.runtime.gated.ops import ACTIVATIONS
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class _Dispatched(TorchDispatchMode):
-    """Records (op name, output element counts) of every op dispatched below autograd, views left out."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outputs = out if isinstance(out, tuple | list) else (out,)
-        if not func.is_view:
-            self.calls.append((str(func), [o.numel() for o in outputs if isinstance(o, torch.Tensor)]))
-        return out
 
 
 def _weights(hidden: int, width: int, fused: bool, bias: bool, dtype: torch.dtype, seed: int = 0):
@@ -71,10 +56,10 @@ def test_eager_backward_runs_no_custom_op_no_absent_bias_sum_and_allocates_as_na
     rows, hidden, width = 5, 6, 10
     weights = _weights(hidden, width, fused, False, torch.float32)
     x = torch.randn(rows, hidden, requires_grad=True)
-    with _Dispatched() as forward:
+    with Dispatched() as forward:
         y = gated_mlp(x, *weights, "silu")
     upstream = torch.randn(rows, hidden)
-    with _Dispatched() as backward:
+    with Dispatched() as backward:
         y.backward(upstream)
     names = [name for name, _ in forward.calls + backward.calls]
     assert not [name for name in names if name.startswith("fewbit.")], names

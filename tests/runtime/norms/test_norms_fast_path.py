@@ -8,27 +8,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from dispatched import Dispatched
 from tolerances import assert_gradient_close, gradient_tolerance
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from fewbit_design.runtime.norms import MemorySharingNorm, ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
-
-
-class _Dispatched(TorchDispatchMode):
-    """Records (op name, output element counts) of every op dispatched below autograd."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.calls: list[tuple[str, list[int]]] = []
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        outputs = out if isinstance(out, tuple | list) else (out,)
-        if not func.is_view:  # a view is no pass over memory
-            self.calls.append((str(func), [o.numel() for o in outputs if isinstance(o, torch.Tensor)]))
-        return out
 
 
 def _case(kind: str, dtype: torch.dtype, width: int, affine: str, zeros: bool, seed: int = 0):
@@ -116,10 +101,10 @@ def test_eager_norm_runs_no_custom_op_and_three_or_four_passes_in_backward(kind)
     norm = MemorySharingNorm((width,), kind=kind, eps=1e-5, weight=torch.nn.Parameter(torch.rand(width) + 0.5),
                              bias=bias)  # fmt: skip
     x = torch.randn(rows, width, requires_grad=True)
-    with _Dispatched() as forward:
+    with Dispatched() as forward:
         y = norm(x)
     upstream = torch.randn(rows, width)
-    with _Dispatched() as backward:
+    with Dispatched() as backward:
         y.backward(upstream)
     names = [name for name, _ in forward.calls + backward.calls]
     assert not [name for name in names if name.startswith("fewbit.")], names
@@ -157,7 +142,7 @@ def test_layer_norm_forward_is_torch_kernel_alone_in_every_dtype(dtype, affine):
     weight = (torch.rand(width) + 0.5).to(dtype) if affine else None
     bias = torch.randn(width).to(dtype) if affine else None
     x = torch.randn(rows, width).to(dtype)
-    with _Dispatched() as forward:
+    with Dispatched() as forward:
         y, rstd = ops.forward_reference(x, weight, bias, "layer_norm", 1, 1e-5)
     passes = [name for name, sizes in forward.calls if rows * width in sizes]
     assert passes == ["aten.native_layer_norm.default"], passes
