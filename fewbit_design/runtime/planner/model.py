@@ -301,16 +301,16 @@ def _pareto(front: list, limit: int) -> list:
 
 
 def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) -> ChainCosts:
-    """``chain`` with timing noise taken out of the decisions: an option whose time is within the noise of an
-    option ranked before it (the two medians differ by at most the sum of their spreads, the noise measured:
+    """``chain`` with timing noise taken out of the decisions: an option whose time is within the noise of options
+    ranked before it (two medians differ by at most the sum of their spreads, the noise measured:
     :func:`.profile.timed_options`; options without a spread, such as plans saved before it existed, tie only when
-    equal) is charged exactly that option's charged time, the first such option's in rank order, whether it measured
-    faster or slower. So an option within the noise of plain costs plain's time, and every plan that differs only
-    by options tied this way costs the same sum to the last bit: with the tie-break of :func:`optimise` (fewer
-    techniques at equal time, then fewer bytes held) the whole plan, not only each block's choice, goes to the
-    ranked-first options, whatever the noise. An option measurably faster or slower than every option ranked
-    before it keeps its time. ``rank[i][k]`` orders block i's options (lower first; default: fewer techniques
-    first; equal ranks by their order in the block). Bytes are unchanged."""
+    equal) is charged exactly the largest of those options' charged times, whether it measured faster or slower:
+    a tie never makes an option ranked later cheaper than one ranked before it. So an option within the noise of
+    plain costs plain's time, and plans that differ only by options tied this way cost the same sum to the last
+    bit: with the tie-break of :func:`optimise` (fewer techniques at equal time, then fewer bytes held) the whole
+    plan, not only each block's choice, goes to the ranked-first options, whatever the noise. An option measurably
+    faster or slower than every option ranked before it keeps its time. ``rank[i][k]`` orders block i's options
+    (lower first; default: fewer techniques first; equal ranks by their order in the block). Bytes are unchanged."""
     blocks = []
     for i, block in enumerate(chain.blocks):
         order = sorted(
@@ -320,15 +320,16 @@ def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) 
         charged: dict[int, float] = {}
         for position, k in enumerate(order):
             o = block.options[k]
-            charged[k] = o.seconds
-            for j in order[:position]:
-                p = block.options[j]
-                if abs(o.seconds - p.seconds) <= o.spread + p.spread:
-                    charged[k] = charged[j]
-                    break
+            tied = [j for j in order[:position] if _tie(o, block.options[j])]
+            charged[k] = max((charged[j] for j in tied), default=o.seconds)
         options = tuple(replace(o, seconds=charged[k]) for k, o in enumerate(block.options))
         blocks.append(replace(block, options=options))
     return replace(chain, blocks=tuple(blocks))
+
+
+def _tie(o: OptionCost, p: OptionCost) -> bool:
+    """Whether two options' times differ by at most the noise measured (the sum of their spreads)."""
+    return abs(o.seconds - p.seconds) <= o.spread + p.spread
 
 
 def minimum_budget(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None = None) -> int:

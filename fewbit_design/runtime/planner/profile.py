@@ -299,12 +299,13 @@ def timed_options(runs: dict[str, Callable[[], None]], repeats: int, device: tor
     until one more round moves no median by more than :data:`STABLE` (of plain's time), at most ``3 * repeats``.
 
     Returns {option: (seconds, spread)}: plain's median, and for every other option plain's median times the median
-    over rounds of its time divided by plain's time *in the same round*; the spread is half the range of those
-    per-round ratios times plain's median (plain's own: 0, it is the reference), the noise within which
-    :func:`.model.settle_ties` takes the option's extra time as a tie. Options timed one after another, each over
-    its own runs, were compared across seconds of a shared machine's changing load: the options timed while it was
-    busier came out slower than they are; within a round the load is nearly the same for all, and the median over
-    rounds drops a round that a change of load cut through."""
+    over rounds of its time divided by plain's time *in the same round*. The spread (plain's own: 0, it is the
+    reference) is half the range of those per-round ratios times plain's median, the noise within which
+    :func:`.model.settle_ties` takes two options' times as a tie; a round at least 4 times as far from the median
+    as any other (a change of load cut through it) is left out of the range, so that one round does not make every
+    option a tie. Options timed one after another, each over its own runs, were compared across seconds of a shared
+    machine's changing load: those timed while it was busier came out slower than they are; within a round the
+    load is nearly the same for all, and the median over rounds outvotes a round that a change of load cut."""
     names = list(runs)
     times: dict[str, list[float]] = {name: [] for name in names}
     ratios: dict[str, list[float]] = {name: [] for name in names}
@@ -335,7 +336,11 @@ def timed_options(runs: dict[str, Callable[[], None]], repeats: int, device: tor
     plain = statistics.median(times[names[0]])
     result = {names[0]: (plain, 0.0)}
     for name in names[1:]:
-        result[name] = (plain * statistics.median(ratios[name]), plain * (max(ratios[name]) - min(ratios[name])) / 2)
+        ratio = statistics.median(ratios[name])
+        kept = sorted(ratios[name], key=lambda r: abs(r - ratio))
+        if len(kept) >= 4 and abs(kept[-1] - ratio) > 4 * abs(kept[-2] - ratio):
+            kept.pop()  # an outlier: 4 times as far from the median as any other round (a change of load cut it)
+        result[name] = (plain * ratio, plain * (max(kept) - min(kept)) / 2)
     return result
 
 
