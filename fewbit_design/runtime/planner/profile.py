@@ -273,10 +273,9 @@ STABLE = 0.02
 
 def timed(run: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
     """Time ``run``: at least ``repeats`` runs, then (with ``repeats`` >= 2) more until one more run moves the
-    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all. Returns (median, spread): the
-    spread is half the range of the runs, the noise within which the planner takes two options' times as a tie
-    (:func:`.model.settle_ties`). The median, not the minimum: on a shared machine the minimum of a few runs is
-    the luckiest one, and it differs from option to option by more than the options differ."""
+    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all (the whole step's time; a block's
+    options are compared by :func:`timed_options`). Returns (median, spread): the spread is half the range of the
+    runs. The median, not the minimum: on a shared machine the minimum of a few runs is the luckiest one."""
     times: list[float] = []
     while True:
         synchronize(device)
