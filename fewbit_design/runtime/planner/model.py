@@ -301,13 +301,16 @@ def _pareto(front: list, limit: int) -> list:
 
 
 def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) -> ChainCosts:
-    """``chain`` with timing noise taken out of the decisions: an option that is not measurably faster than an
-    option ranked before it (its median is not below the other's by more than the sum of their spreads: the noise
-    measured; options without a spread, such as plans saved before it existed, never tie) is charged at least that
-    option's time. With the tie-break of
-    :func:`optimise` (fewer techniques at equal time), a tie goes to the option ranked first, whatever the noise.
-    ``rank[i][k]`` orders block i's options (lower first; default: fewer techniques first, then their order).
-    Bytes are unchanged; an option measurably faster keeps its time."""
+    """``chain`` with timing noise taken out of the decisions: an option whose time is within the noise of options
+    ranked before it (two medians differ by at most the sum of their spreads, the noise measured:
+    :func:`.profile.timed_options`; options without a spread, such as plans saved before it existed, tie only when
+    equal) is charged exactly the largest of those options' charged times, whether it measured faster or slower:
+    a tie never makes an option ranked later cheaper than one ranked before it. So an option within the noise of
+    plain costs plain's time, and plans that differ only by options tied this way cost the same sum to the last
+    bit: with the tie-break of :func:`optimise` (fewer techniques at equal time, then fewer bytes held) the whole
+    plan, not only each block's choice, goes to the ranked-first options, whatever the noise. An option measurably
+    faster or slower than every option ranked before it keeps its time. ``rank[i][k]`` orders block i's options
+    (lower first; default: fewer techniques first; equal ranks by their order in the block). Bytes are unchanged."""
     blocks = []
     for i, block in enumerate(chain.blocks):
         order = sorted(
@@ -317,15 +320,16 @@ def settle_ties(chain: ChainCosts, rank: Sequence[Sequence[int]] | None = None) 
         charged: dict[int, float] = {}
         for position, k in enumerate(order):
             o = block.options[k]
-            seconds = o.seconds
-            for j in order[:position]:
-                p = block.options[j]
-                if o.seconds >= p.seconds - (o.spread + p.spread):
-                    seconds = max(seconds, charged[j])
-            charged[k] = seconds
+            tied = [j for j in order[:position] if _tie(o, block.options[j])]
+            charged[k] = max((charged[j] for j in tied), default=o.seconds)
         options = tuple(replace(o, seconds=charged[k]) for k, o in enumerate(block.options))
         blocks.append(replace(block, options=options))
     return replace(chain, blocks=tuple(blocks))
+
+
+def _tie(o: OptionCost, p: OptionCost) -> bool:
+    """Whether two options' times differ by at most the noise measured (the sum of their spreads)."""
+    return abs(o.seconds - p.seconds) <= o.spread + p.spread
 
 
 def minimum_budget(chain: ChainCosts, allowed: Sequence[Sequence[str]] | None = None) -> int:

@@ -599,10 +599,10 @@ def plan_memory(
             it is saved; the predicted peak is exact); ``k > 0`` runs up to ``k`` transfers on a thread, overlapped
             with compute, and the plan's offload is ``blockwise`` (no transfer crosses its block), so each offloaded
             block's predicted peaks carry ``k`` times its largest transfer: an upper bound on the measured peak.
-        repeats: timed runs per measurement, at least; more (up to three times as many) until the median is
-            stable. Options whose medians differ by less than their spreads (half the range of their runs) are
-            a tie, charged the same time and broken by a fixed rule (fewer techniques, then exact first), so
-            that timing noise does not flip the plan (:func:`.model.settle_ties`).
+        repeats: timed runs (a block's options: rounds, each option against plain in the same round), at least;
+            more (up to three times as many) until the medians are stable. Options within their spreads (the noise
+            measured) tie: charged the same time and broken by a fixed rule (fewer techniques, then exact first),
+            so that timing noise does not flip the plan (:func:`.model.settle_ties`).
         example_kwargs: keyword inputs of the step.
         technique_settings: settings of registered techniques beyond the ones above (each technique's
             ``Technique.settings`` names its keys and defaults, e.g. ``{"linear_bits": 4}``).

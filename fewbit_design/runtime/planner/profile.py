@@ -6,9 +6,10 @@
    chain's entry and exit and on the gradients of x_0 and x_n, gives the fixed parts of the step (what runs before
    and after the chain) and the inputs each block receives; a few more plain steps give the step time.
 3. Each block runs alone on its recorded inputs, in a copy, under every applicable option: forward under
-   :func:`memory.peak` and :func:`memory.saved_bytes`, backward with a gradient of ones; then a few timed
-   forward + backward runs (median). Blocks that are alike (same module text, parameter shapes and input shapes)
-   are measured once.
+   :func:`memory.peak` and :func:`memory.saved_bytes`, backward with a gradient of ones; then its options'
+   forward + backward runs are timed interleaved, round by round (:func:`timed_options`), each option's time
+   taken relative to plain's in the same round. Blocks that are alike (same module text, parameter shapes and
+   input shapes) are measured once.
 
 Parameters' gradients, buffers (batch-norm statistics) and the random number generator are restored afterwards.
 Caches are off while profiling (:func:`caches_disabled`): a Hugging Face model's ``use_cache=True`` default makes
@@ -23,6 +24,7 @@ import statistics
 import time
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -34,7 +36,7 @@ from ..blockrun import block_input, first_tensor, run_block, synchronize, traini
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
-__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled", "StepMarks"]
+__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled", "StepMarks", "timed_options"]
 
 
 @contextlib.contextmanager
@@ -271,10 +273,9 @@ STABLE = 0.02
 
 def timed(run: Callable[[], None], repeats: int, device: torch.device) -> tuple[float, float]:
     """Time ``run``: at least ``repeats`` runs, then (with ``repeats`` >= 2) more until one more run moves the
-    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all. Returns (median, spread): the
-    spread is half the range of the runs, the noise within which the planner takes two options' times as a tie
-    (:func:`.model.settle_ties`). The median, not the minimum: on a shared machine the minimum of a few runs is
-    the luckiest one, and it differs from option to option by more than the options differ."""
+    median by at most :data:`STABLE` of it, at most ``3 * repeats`` runs in all (the whole step's time; a block's
+    options are compared by :func:`timed_options`). Returns (median, spread): the spread is half the range of the
+    runs. The median, not the minimum: on a shared machine the minimum of a few runs is the luckiest one."""
     times: list[float] = []
     while True:
         synchronize(device)
@@ -289,6 +290,57 @@ def timed(run: Callable[[], None], repeats: int, device: torch.device) -> tuple[
         if abs(statistics.median(times) - statistics.median(times[:-1])) <= STABLE * statistics.median(times):
             break
     return statistics.median(times), (max(times) - min(times)) / 2
+
+
+def timed_options(runs: dict[str, Callable[[], None]], repeats: int, device: torch.device) -> dict[str, tuple]:
+    """Time a block's options against each other within one run: round by round, each round running ``plain``
+    (the first key) then every other option once, at least ``repeats`` rounds, then (with ``repeats`` >= 2) more
+    until one more round moves no median by more than :data:`STABLE` (of plain's time), at most ``3 * repeats``.
+
+    Returns {option: (seconds, spread)}: plain's median, and for every other option plain's median times the median
+    over rounds of its time divided by plain's time *in the same round*. The spread (plain's own: 0, it is the
+    reference) is half the range of those per-round ratios times plain's median, the noise within which
+    :func:`.model.settle_ties` takes two options' times as a tie; a round at least 4 times as far from the median
+    as any other (a change of load cut through it) is left out of the range, so that one round does not make every
+    option a tie. Options timed one after another, each over its own runs, were compared across seconds of a shared
+    machine's changing load: those timed while it was busier came out slower than they are; within a round the
+    load is nearly the same for all, and the median over rounds outvotes a round that a change of load cut."""
+    names = list(runs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    ratios: dict[str, list[float]] = {name: [] for name in names}
+
+    def medians(last: int | None = None) -> list[float]:  # plain's median time, the others' median ratios
+        return [statistics.median(times[names[0]][:last])] + [statistics.median(ratios[n][:last]) for n in names[1:]]
+
+    while True:
+        for name in names:
+            synchronize(device)
+            start = clock()
+            runs[name]()
+            synchronize(device)
+            times[name].append(clock() - start)
+        plain = times[names[0]][-1]
+        for name in names:
+            ratios[name].append(times[name][-1] / plain if plain > 0 else 1.0)
+        rounds = len(times[names[0]])
+        if rounds < repeats:
+            continue
+        if repeats < 2 or rounds >= 3 * repeats:
+            break
+        now, before = medians(), medians(last=-1)
+        scale = now[0] if now[0] > 0 else 1.0
+        moved = [abs(now[0] - before[0]) / scale] + [abs(a - b) for a, b in zip(now[1:], before[1:], strict=True)]
+        if max(moved) <= STABLE:
+            break
+    plain = statistics.median(times[names[0]])
+    result = {names[0]: (plain, 0.0)}
+    for name in names[1:]:
+        ratio = statistics.median(ratios[name])
+        kept = sorted(ratios[name], key=lambda r: abs(r - ratio))
+        if len(kept) >= 4 and abs(kept[-1] - ratio) > 4 * abs(kept[-2] - ratio):
+            kept.pop()  # an outlier: 4 times as far from the median as any other round (a change of load cut it)
+        result[name] = (plain * ratio, plain * (max(kept) - min(kept)) / 2)
+    return result
 
 
 def _module_bytes(module: torch.nn.Module) -> int:
@@ -314,7 +366,9 @@ class _Measure:
 
     def cost(
         self, block: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool
-    ) -> tuple[OptionCost | None, dict]:
+    ) -> tuple[OptionCost | None, dict, Callable[[], None]]:
+        """The option's bytes (its time is 0 until :func:`timed_options` sets it), the facts measured and a run of
+        the option (forward + backward) to time."""
         module = self.prepare(block, option)
         for parameter in module.parameters():
             parameter.grad = None
@@ -342,7 +396,6 @@ class _Measure:
                 parameter.grad = None
             self.step(module, option, args, kwargs, needs_grad)
 
-        seconds, spread = timed(timed_step, self.repeats, args[0].device)
         added = _module_bytes(module) - _module_bytes(block)
         cost = OptionCost(
             option=option,
@@ -351,11 +404,10 @@ class _Measure:
             backward_peak=run.backward_peak,
             saves_input=run.saves_input,
             saves_output=run.saves_output,
-            seconds=seconds,
+            seconds=0.0,
             resident_bytes=max(added, 0),
-            spread=spread,
         )
-        return charge(cost, option, extra), extra
+        return charge(cost, option, extra), extra, timed_step
 
 
 def profile_model(
@@ -389,12 +441,16 @@ def profile_model(
             if signature not in cache:
                 options = []
                 plain_extra: dict = {}
-                for option in candidate_options(block, allow, settings):
-                    cost, extra = measure.cost(block, option, args, kwargs, needs_grad)
+                runs: dict[str, Callable[[], None]] = {}
+                for option in candidate_options(block, allow, settings):  # plain first
+                    cost, extra, run = measure.cost(block, option, args, kwargs, needs_grad)
                     if option == "plain":
                         plain_extra = extra
                     if cost is not None:  # a technique's cost model drops an option that gains nothing
                         options.append(cost)
+                        runs[option] = run
+                times = timed_options(runs, repeats, args[0].device)
+                options = [replace(o, seconds=times[o.option][0], spread=times[o.option][1]) for o in options]
                 cache[signature] = (options, plain_extra)
             options, extra = cache[signature]
             costs.append(
