@@ -47,8 +47,6 @@ _C1 = np.uint64(0x7FEB352D)
 _C2 = np.uint64(0x846CA68B)
 _GOLDEN = np.uint64(0x9E3779B9)
 _u32 = numba.uint32
-_C1_32 = np.uint32(0x7FEB352D)
-_C2_32 = np.uint32(0x846CA68B)
 _GOLDEN_32 = np.uint32(0x9E3779B9)
 _GROUP = np.uint64(64)  # quant.GROUP_SIZE
 _ROUND = np.uint64(0x7FFF)
@@ -143,57 +141,80 @@ def noise(seed, rows, columns, out):
 def _min_max(ints, start, stop, pair):
     # (min, max, any NaN) of the float32 values whose int32 bits are ints[start:stop]. The key b ^ ((b >> 31) &
     # 0x7FFFFFFF) orders the bits as the floats (-0.0 just below 0.0): an integer min/max vectorizes, a float one
-    # written as selects does not (it needs fast-math); NaN bits have |b| > 0x7F800000
+    # written as selects does not (it needs fast-math); NaN bits have |b| > 0x7F800000. Every intermediate is cast
+    # back to int32 (numba widens int32 arithmetic to int64, which halves the lanes of the vectorized loop)
     low = _I32_MAX
     high = _I32_MIN
     magnitude = np.int32(0)
     for i in range(start, stop):
         value = ints[i]
-        key = value ^ ((value >> _31) & _I32_MAX)
-        low = min(low, key)
-        high = max(high, key)
-        magnitude = max(magnitude, value & _I32_MAX)
-    pair[0] = low ^ ((low >> _31) & _I32_MAX)
-    pair[1] = high ^ ((high >> _31) & _I32_MAX)
+        key = np.int32(value ^ np.int32(np.int32(value >> _31) & _I32_MAX))
+        low = np.int32(min(low, key))
+        high = np.int32(max(high, key))
+        magnitude = np.int32(max(magnitude, np.int32(value & _I32_MAX)))
+    pair[0] = np.int32(low ^ np.int32(np.int32(low >> _31) & _I32_MAX))
+    pair[1] = np.int32(high ^ np.int32(np.int32(high >> _31) & _I32_MAX))
     floats = pair.view(np.float32)
     return floats[0], floats[1], magnitude > _INF_BITS
 
 
-@numba.njit(cache=True, inline="always")
-def _mix32_lanes(x):
-    # _mix32 on uint32 values, every intermediate truncated to 32 bits (the same result): the vectorizer then uses
-    # 32-bit lanes, twice as many per register as _mix32's 64-bit ones
-    x = _u32(x ^ (x >> _u32(16)))
-    x = _u32(x * _C1_32)
-    x = _u32(x ^ (x >> _u32(15)))
-    x = _u32(x * _C2_32)
-    return _u32(x ^ (x >> _u32(16)))
+@intrinsic
+def _noise_at(typingctx, base, i):
+    """The noise u of column ``start + i`` from ``base = (start * 0x9E3779B9 + key) mod 2**32`` (uint32):
+    ``(mix32(base + i * 0x9E3779B9) >> 8) * 2**-24``, float32, :func:`_mix32` in 32-bit arithmetic written as LLVM
+    IR: numba types uint32 products as uint64, and the vectorized loop then multiplies in 64-bit lanes (half as many
+    per register, and a slower instruction); ``i * 0x9E3779B9`` is an induction the loop steps by one addition."""
+    signature = types.float32(types.uint32, types.uint64)
+
+    def codegen(context, builder, sig, args):
+        base, i = args
+        word = ir.IntType(32)
+
+        def constant(value):
+            return ir.Constant(word, value)
+
+        x = builder.add(builder.mul(builder.trunc(i, word), constant(0x9E3779B9)), base)
+        x = builder.xor(x, builder.lshr(x, constant(16)))
+        x = builder.mul(x, constant(0x7FEB352D))
+        x = builder.xor(x, builder.lshr(x, constant(15)))
+        x = builder.mul(x, constant(0x846CA68B))
+        x = builder.xor(x, builder.lshr(x, constant(16)))
+        # h >> 8 < 2**24: exact in float32 (signed conversion: the value is non-negative), times 2**-24 exact
+        value = builder.sitofp(builder.lshr(x, constant(8)), ir.FloatType())
+        return builder.fmul(value, ir.Constant(ir.FloatType(), 2.0**-24))
+
+    return signature, codegen
 
 
 @numba.njit(cache=True, inline="always")
 def _group_codes(values, at, low, inverse, top, stochastic, key, codes, code_at, start, count):
     # codes of values[at + i] (column start + i, i < count) into codes[code_at + i]:
     # t = (x - low) / step; code = floor(t + u), u ~ U[0, 1) (stochastic) or u = 1/2 (nearest)
+    # NaN fails position > 0 and becomes code 0
     if stochastic:
-        key32 = _u32(key)
+        base = _u32(_u32(_u32(start) * _GOLDEN_32) + _u32(key))
         for i in range(count):
-            h = _mix32_lanes(_u32(_u32(_u32(start + i) * _GOLDEN_32) + key32))
-            position = np.floor((values[at + i] - low) * inverse + _f32(h >> _u32(8)) * _SCALE24)
+            position = np.floor((values[at + i] - low) * inverse + _noise_at(base, i))
             position = position if position > _ZERO else _ZERO
             position = position if position < top else top
-            codes[code_at + i] = np.uint8(position if position == position else _ZERO)
+            codes[code_at + i] = np.uint8(np.int32(position))
     else:
         for i in range(count):
             position = np.floor((values[at + i] - low) * inverse + _HALF)
             position = position if position > _ZERO else _ZERO
             position = position if position < top else top
-            codes[code_at + i] = np.uint8(position if position == position else _ZERO)
+            codes[code_at + i] = np.uint8(np.int32(position))
 
 
 @numba.njit(cache=True, inline="always")
-def _quantize_row(values, ints, at, features, group_size, top, stochastic, key, codes, code_at, scales, row, pair):
+def _quantize_row(
+    values, ints, at, features, group_size, top, stochastic, key, codes, code_at, scales, row, pair, grid
+):  # fmt: skip
     # codes of the float32 row values[at : at + features] into codes[code_at ...], (low, step) per group into
-    # scales[row]; unsigned indices (numba checks signed ones for wraparound, which stops vectorization)
+    # scales[row]; unsigned indices (numba checks signed ones for wraparound, which stops vectorization). Two
+    # phases: every group's (low, 1 / step) into ``grid`` first, then the codes: the divisions of the groups are
+    # independent of each other and of the code loops (one phase per group waited for its own two divisions)
+    group = _0
     for start in range(_0, features, group_size):
         stop = min(start + group_size, features)
         low, high, nan = _min_max(ints, at + start, at + stop, pair)
@@ -201,16 +222,23 @@ def _quantize_row(values, ints, at, features, group_size, top, stochastic, key, 
             low = np.float32(np.nan)
             high = low
         step = (high - low) / top
-        inverse = _ONE / step if step > _ZERO else _ZERO
+        grid[group, 0] = low
+        grid[group, 1] = _ONE / step if step > _ZERO else _ZERO
+        finite = np.isfinite(low) and np.isfinite(step)
+        scales[row, group, 0] = low if finite else np.float32(np.nan)
+        scales[row, group, 1] = step
+        group += _1
+    group = _0
+    for start in range(_0, features, group_size):
+        stop = min(start + group_size, features)
+        low = grid[group, 0]
+        inverse = grid[group, 1]
         if stop - start == _GROUP:  # the default group size as a constant trip count: no remainder loop
             _group_codes(values, at + start, low, inverse, top, stochastic, key, codes, code_at + start, start, _GROUP)
         else:
             _group_codes(values, at + start, low, inverse, top, stochastic, key, codes, code_at + start, start,
                          stop - start)  # fmt: skip
-        finite = np.isfinite(low) and np.isfinite(step)
-        group = start // group_size
-        scales[row, group, 0] = low if finite else np.float32(np.nan)
-        scales[row, group, 1] = step
+        group += _1
 
 
 @numba.njit(cache=True, inline="always")
@@ -224,21 +252,17 @@ def _quantize_rows(x, features, group_size, bits, stochastic, seed, packed, scal
     row_bits = np.empty(features, dtype=np.uint32)
     row_values = row_bits.view(np.float32)
     pair = np.empty(2, dtype=np.int32)
+    grid = np.empty(((features + group_size - _1) // group_size, 2), dtype=np.float32)
     for block in range(_u64(row_start), _u64(row_stop), block_rows):
         block_stop = min(block + block_rows, _u64(row_stop))
         for row in range(block, block_stop):
             base = row * features
             key = _row_key(seed, row) if stochastic else _0
             values, ints, at = _row_values(x, base, features, row_bits, row_values)
-            if direct:
-                _quantize_row(
-                    values, ints, at, features, group_size, top, stochastic, key, packed, base, scales, row, pair
-                )
-            else:
-                code_at = (row - block) * features
-                _quantize_row(
-                    values, ints, at, features, group_size, top, stochastic, key, buffer, code_at, scales, row, pair
-                )
+            codes, code_at = (packed, base) if direct else (buffer, (row - block) * features)
+            _quantize_row(
+                values, ints, at, features, group_size, top, stochastic, key, codes, code_at, scales, row, pair, grid
+            )
         if not direct:
             _pack_buffer(buffer, (block_stop - block) * features, _u64(bits), packed, block * features // _8)
 
