@@ -43,6 +43,12 @@ nearest against 0.013 stochastic).
 Non-finite values: a group of gate or up that holds a non-finite value decodes to NaN (:mod:`..linear.quant`), so
 every gradient that reads it is NaN: never a finite gradient from a non-finite forward.
 
+Backward kernels: on the CPU, for float32 and bfloat16 and the ``silu``, ``gelu_tanh`` and ``relu`` activations, two
+numba passes over the (rows, I) tensors from the codes (:mod:`._numba_gated`: h~, then d_gate and d_up) instead of
+the torch path's seven (decode gate, decode up, act, the product, two products with dh, act's backward); the same
+gradients within the dtype's rounding (the kernels round once, in float32; tests/runtime/gated/
+test_gated_compressed_kernels.py). Elsewhere the torch path.
+
 Custom ops (fake kernels, ``register_autograd``): ``fewbit::gated_mlp_compressed`` and
 ``fewbit::gated_mlp_compressed_backward``; :func:`gated_mlp_compressed` is the entry point used by
 :class:`~.nn.GatedMLP` (``mode="compressed"``).
@@ -54,6 +60,7 @@ import torch
 
 from ...errors import FewBitError
 from .._eager import eager_twin, tracing
+from .._packing import _numba_available
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import (
     GROUP_SIZE,
@@ -145,6 +152,52 @@ def _empty(like: torch.Tensor) -> torch.Tensor:
     return like.new_empty(0)
 
 
+def _fused_kernels(grad: torch.Tensor, activation: str, bits: int):
+    """The numba module of the two-pass backward (:mod:`._numba_gated`) when it applies (a CPU float32 or bfloat16
+    gradient, an activation it has, codes on the CPU, numba installed), else None (the torch path)."""
+    if grad.device.type != "cpu" or grad.dtype not in (torch.float32, torch.bfloat16) or grad.shape[0] == 0:
+        return None
+    if activation not in ("silu", "gelu_tanh", "relu") or not _numba_available():
+        return None
+    from . import _numba_gated
+
+    return _numba_gated
+
+
+def _numpy(tensor: torch.Tensor):
+    """A flat numpy view of a contiguous CPU tensor (bfloat16 as its uint16 bits)."""
+    flat = tensor.reshape(-1)
+    return (flat.view(torch.uint16) if flat.dtype == torch.bfloat16 else flat).numpy()
+
+
+def _fused_passes(kernels, gate_packed, gate_scales, up_packed, up_scales, width, bits, group_size, activation,
+                  grad):  # fmt: skip
+    """``(h~, gradients)``: h~ = act(gate~) * up~ (rows, I) from the codes in one pass, and ``gradients(dh)``, the
+    second pass: (rows, 2I) with d_gate = act'(gate~) * (dh * up~) in the first half and d_up = dh * a~ in the second
+    (:mod:`._numba_gated`)."""
+    from .. import _numba_packing
+
+    rows, dtype = grad.shape[0], grad.dtype
+    codes = (
+        gate_packed.detach().reshape(-1).contiguous().numpy(),
+        gate_scales.detach().to(torch.float32).contiguous().numpy(),
+        up_packed.detach().reshape(-1).contiguous().numpy(),
+        up_scales.detach().to(torch.float32).contiguous().numpy(),
+    )
+    options = (width, group_size, bits, kernels.ACTIVATIONS[activation])
+    launch = {"grain": 8, "min_task": max(8, _numba_packing.MIN_TASK // max(width, 1))}
+    h = torch.empty(rows, width, dtype=dtype)
+    _numba_packing.run(kernels.product, rows, *codes, *options, _numpy(h), **launch)
+
+    def gradients(grad_h: torch.Tensor) -> torch.Tensor:
+        kept = torch.empty(rows, 2 * width, dtype=dtype)
+        _numba_packing.run(kernels.gradients, rows, *codes, *options, _numpy(grad_h.contiguous()), _numpy(kept),
+                           **launch)  # fmt: skip
+        return kept
+
+    return h, gradients
+
+
 def _backward_impl(
     grad: torch.Tensor,
     x_packed: torch.Tensor,
@@ -166,18 +219,31 @@ def _backward_impl(
     gate and up weight gradients empty unless ``weight_grad``, dW_up and db_up empty in the fused layout."""
     hidden, width, dtype = w_gate.shape[1], w_down.shape[1], grad.dtype
     fused = w_up is None
-    gate = dequantize_groups(gate_packed, gate_scales, width, bits, group_size, dtype)
-    up = dequantize_groups(up_packed, up_scales, width, bits, group_size, dtype)
-    a = _activation(gate, activation)  # a~ = act(gate~)
-    grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
-    grad_b_down = grad.sum(0)
-    grad_h = grad.mm(w_down)
-    # d_up = dh * a~ and dh * up~ in place where a~ is not read again (ReLU's backward reads it): the same values
-    grad_up = grad_h * a if activation == "relu" else a.mul_(grad_h)
-    grad_gate = _activation_backward(grad_h.mul_(up), gate, a, activation)  # act'(gate~) * (dh * up~)
-    del a, up, gate, grad_h
+    kernels = _fused_kernels(grad, activation, bits)
+    grad_kept = None
+    if kernels is not None:  # two passes over the (rows, I) tensors (module _numba_gated)
+        h, gradients = _fused_passes(
+            kernels, gate_packed, gate_scales, up_packed, up_scales, width, bits, group_size, activation, grad
+        )
+        grad_w_down = grad.t().mm(h)  # h~ = a~ * up~, recomputed
+        del h
+        grad_b_down = grad.sum(0)
+        grad_kept = gradients(grad.mm(w_down))  # [d_gate, d_up] from dh = g W_down
+        grad_gate, grad_up = grad_kept[:, :width], grad_kept[:, width:]
+    else:
+        gate = dequantize_groups(gate_packed, gate_scales, width, bits, group_size, dtype)
+        up = dequantize_groups(up_packed, up_scales, width, bits, group_size, dtype)
+        a = _activation(gate, activation)  # a~ = act(gate~)
+        grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
+        grad_b_down = grad.sum(0)
+        grad_h = grad.mm(w_down)
+        # d_up = dh * a~ and dh * up~ in place where a~ is not read again (ReLU's backward reads it): the same values
+        grad_up = grad_h * a if activation == "relu" else a.mul_(grad_h)
+        grad_gate = _activation_backward(grad_h.mul_(up), gate, a, activation)  # act'(gate~) * (dh * up~)
+        del a, up, gate, grad_h
     if fused:
-        grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
+        if grad_kept is None:
+            grad_kept = torch.cat([grad_gate, grad_up], dim=-1)
         grad_x = grad_kept.mm(w_gate) if input_grad else _empty(grad)
         if not weight_grad:
             return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down

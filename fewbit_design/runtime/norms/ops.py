@@ -442,23 +442,36 @@ def _setup_context_compressed(ctx, inputs, output) -> None:
     x, weight, bias, kind, _, _, _, bits, group_size, _, _ = inputs
     y, rstd, channels, kept, packed, scales = output
     ctx.mark_non_differentiable(rstd, channels, kept, packed, scales)
+    ctx.set_materialize_grads(False)  # no zero-filled gradients for the five outputs above (codes: bits / 8 per value)
     ctx.save_for_backward(rstd, channels, kept, packed, scales, weight, bias)
     ctx.kind, ctx.x_dtype, ctx.y_shape, ctx.y_dtype = kind, x.dtype, y.shape, y.dtype
     ctx.options = (bits, group_size)
 
 
 def _backward_compressed(ctx, grad, *_):
+    """The exact norm's backward on the decoded output: the custom op ``fewbit::norm_backward`` when traced (one
+    graph under ``torch.compile``), :func:`_backward_fast` in eager (torch's fused LayerNorm backward kernel, three or
+    four passes over the rows where the reference takes about twelve; the decoded tensor, shared with the linear
+    layers that read the same codes, is only read)."""
+    if grad is None:  # the output was not used
+        return (None,) * 11
     rstd, channels, kept, packed, scales, weight, bias = ctx.saved_tensors
     bits, group_size = ctx.options
     features = ctx.y_shape[-1] if len(ctx.y_shape) else 1
-    decoded = dequantize_codes(packed, scales, features, bits, group_size, ctx.y_dtype)
-    grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
-        grad, decoded.reshape(ctx.y_shape), rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
-    )
+    decoded = dequantize_codes(packed, scales, features, bits, group_size, ctx.y_dtype).reshape(ctx.y_shape)
+    needs = ctx.needs_input_grad
+    if tracing(grad, packed):
+        grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
+            grad, decoded, rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
+        )
+    else:
+        grad_x, grad_weight, grad_bias = _backward_fast(
+            grad, decoded, rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype, (needs[0], needs[1], needs[2])
+        )
     return (
-        grad_x if ctx.needs_input_grad[0] else None,
-        grad_weight if weight is not None and ctx.needs_input_grad[1] else None,
-        grad_bias if bias is not None and ctx.needs_input_grad[2] else None,
+        grad_x if needs[0] else None,
+        grad_weight if weight is not None and needs[1] else None,
+        grad_bias if bias is not None and needs[2] else None,
         None,
         None,
         None,

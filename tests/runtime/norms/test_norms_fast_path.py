@@ -11,6 +11,7 @@ import torch
 from dispatched import Dispatched
 from tolerances import assert_gradient_close, gradient_tolerance
 
+from fewbit_design.runtime.linear.quant import dequantize_groups, quantize_groups
 from fewbit_design.runtime.norms import MemorySharingNorm, ops
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float64": torch.float64}
@@ -42,7 +43,9 @@ def _case(kind: str, dtype: torch.dtype, width: int, affine: str, zeros: bool, s
 )  # fmt: skip
 @pytest.mark.parametrize("shape", [(1, 13), (7, 3, 48), (2, 5, 1)], ids=["1x13", "7x3x48", "width1"])
 @pytest.mark.parametrize("zeros", [False, True], ids=["invertible", "kept"])
-def test_fast_backward_equals_reference(dtype, kind, affine, shape, zeros):
+@pytest.mark.parametrize("bits", [None, 3, 8], ids=["exact", "codes3", "codes8"])
+def test_fast_backward_equals_reference(dtype, kind, affine, shape, zeros, bits):
+    # bits: the compressed mode's backward, which runs the fast path on the output decoded from its codes
     dtype = DTYPES[dtype]
     width = shape[-1]
     weight, bias = _case(kind, dtype, width, affine, zeros)
@@ -50,6 +53,9 @@ def test_fast_backward_equals_reference(dtype, kind, affine, shape, zeros):
     grad = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
     y, rstd, channels, kept = ops._forward_exact(x, weight, bias, kind, 1, 1e-5, ops.DEFAULT_THRESHOLD, -1)
     assert torch.equal(y, ops.forward_reference(x, weight, bias, kind, 1, 1e-5)[0])
+    if bits is not None:
+        packed, scales = quantize_groups(y, bits, 4, stochastic=True, seed=3)
+        y = dequantize_groups(packed, scales, width, bits, 4, dtype).reshape(shape)
     if zeros and weight is not None:
         assert channels.numel() >= 1  # the zero weight at least is kept
     reference = ops._backward_reference(grad, y, rstd, channels, kept, weight, bias, kind, dtype)
