@@ -25,6 +25,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numba
 import numpy as np
+from llvmlite import ir
+from numba.core import types
+from numba.extending import intrinsic
 
 __all__ = ["CHUNK", "MIN_TASK", "run", "split", "pack_codes", "unpack_codes"]
 
@@ -47,6 +50,21 @@ _ALL = np.uint64(0xFFFFFFFFFFFFFFFF)
 _LANES16 = np.uint64(0x0001000100010001)  # one in each 16-bit lane
 _LANES32 = np.uint64(0x0000000100000001)  # one in each 32-bit lane
 _CHUNK = np.uint64(CHUNK)
+
+
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """a * b + c rounded once (llvm.fma.f32), float32."""
+    signature = types.float32(types.float32, types.float32, types.float32)
+
+    def codegen(context, builder, sig, args):
+        single = ir.FloatType()
+        function = builder.module.declare_intrinsic(
+            "llvm.fma", [single], ir.FunctionType(single, [single, single, single])
+        )
+        return builder.call(function, args)
+
+    return signature, codegen
 
 
 @numba.njit(cache=True, inline="always")

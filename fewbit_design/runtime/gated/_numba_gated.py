@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from .._numba_packing import _unpack_buffer
+from .._numba_packing import _fma, _unpack_buffer
 
 __all__ = ["ACTIVATIONS", "product", "gradients"]
 
@@ -70,21 +70,6 @@ _P5 = np.float32(5.0000001201e-1)
 _SQRT_2_OVER_PI = np.float32(0.7978845608028654)
 _GELU_C = np.float32(0.044715)
 _GELU_3C = np.float32(3.0 * 0.044715)
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a * b + c rounded once (llvm.fma.f32), float32."""
-    signature = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, sig, args):
-        single = ir.FloatType()
-        function = builder.module.declare_intrinsic(
-            "llvm.fma", [single], ir.FunctionType(single, [single, single, single])
-        )
-        return builder.call(function, args)
-
-    return signature, codegen
 
 
 @intrinsic

@@ -28,7 +28,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from .._numba_packing import _pack_buffer, _unpack_buffer
+from .._numba_packing import _fma, _pack_buffer, _unpack_buffer
 
 __all__ = ["BLOCK", "noise", "quantize_float32", "quantize_bfloat16", "dequantize_float32", "dequantize_bfloat16"]
 
@@ -58,21 +58,6 @@ _31 = np.int32(31)
 _I32_MAX = np.int32(0x7FFFFFFF)
 _I32_MIN = np.int32(-0x80000000)
 _INF_BITS = np.int32(0x7F800000)
-
-
-@intrinsic
-def _fma(typingctx, a, b, c):
-    """a * b + c rounded once (llvm.fma.f32), float32."""
-    signature = types.float32(types.float32, types.float32, types.float32)
-
-    def codegen(context, builder, sig, args):
-        single = ir.FloatType()
-        function = builder.module.declare_intrinsic(
-            "llvm.fma", [single], ir.FunctionType(single, [single, single, single])
-        )
-        return builder.call(function, args)
-
-    return signature, codegen
 
 
 def _row_values(x, base, features, row_bits, row_values):
