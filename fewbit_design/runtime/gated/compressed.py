@@ -214,9 +214,15 @@ def _backward_impl(
     group_size: int,
     input_grad: bool,
     weight_grad: bool,
+    bias_grad: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dx, dW_gate, db_gate, dW_up, db_up, dW_down, db_down) for a 2-D grad; dx is empty unless ``input_grad``, the
-    gate and up weight gradients empty unless ``weight_grad``, dW_up and db_up empty in the fused layout."""
+    gate and up weight gradients empty unless ``weight_grad``, the bias gradients empty unless ``bias_grad`` (no
+    sums over the rows for a model without biases, as LLaMA's), dW_up and db_up empty in the fused layout."""
+
+    def sums(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.sum(0) if bias_grad else _empty(tensor)
+
     hidden, width, dtype = w_gate.shape[1], w_down.shape[1], grad.dtype
     fused = w_up is None
     kernels = _fused_kernels(grad, activation, bits)
@@ -227,7 +233,7 @@ def _backward_impl(
         )
         grad_w_down = grad.t().mm(h)  # h~ = a~ * up~, recomputed
         del h
-        grad_b_down = grad.sum(0)
+        grad_b_down = sums(grad)
         grad_kept = gradients(grad.mm(w_down))  # [d_gate, d_up] from dh = g W_down
         grad_gate, grad_up = grad_kept[:, :width], grad_kept[:, width:]
     else:
@@ -235,7 +241,7 @@ def _backward_impl(
         up = dequantize_groups(up_packed, up_scales, width, bits, group_size, dtype)
         a = _activation(gate, activation)  # a~ = act(gate~)
         grad_w_down = grad.t().mm(a * up)  # h~ = a~ * up~, recomputed
-        grad_b_down = grad.sum(0)
+        grad_b_down = sums(grad)
         grad_h = grad.mm(w_down)
         # d_up = dh * a~ and dh * up~ in place where a~ is not read again (ReLU's backward reads it): the same values
         grad_up = grad_h * a if activation == "relu" else a.mul_(grad_h)
@@ -248,7 +254,7 @@ def _backward_impl(
         if not weight_grad:
             return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
         x = dequantize_shared(x_packed, x_scales, hidden, bits, group_size, dtype)  # read by the norm too
-        return grad_x, grad_kept.t().mm(x), grad_kept.sum(0), _empty(grad), _empty(grad), grad_w_down, grad_b_down
+        return grad_x, grad_kept.t().mm(x), sums(grad_kept), _empty(grad), _empty(grad), grad_w_down, grad_b_down
     grad_x = grad_gate.mm(w_gate).add_(grad_up.mm(w_up)) if input_grad else _empty(grad)
     if not weight_grad:
         return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
@@ -256,9 +262,9 @@ def _backward_impl(
     return (
         grad_x,
         grad_gate.t().mm(x),
-        grad_gate.sum(0),
+        sums(grad_gate),
         grad_up.t().mm(x),
-        grad_up.sum(0),
+        sums(grad_up),
         grad_w_down,
         grad_b_down,
     )
@@ -269,16 +275,20 @@ _backward_op = torch.library.custom_op("fewbit::gated_mlp_compressed_backward", 
 
 @_backward_op.register_fake
 def _(grad, x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down, activation,
-      bits, group_size, input_grad, weight_grad):  # fmt: skip
+      bits, group_size, input_grad, weight_grad, bias_grad):  # fmt: skip
     rows = grad.shape[0]
+
+    def sums(size: int) -> torch.Tensor:
+        return grad.new_empty(size) if bias_grad else _empty(grad)
+
     grad_x = grad.new_empty(rows, w_gate.shape[1]) if input_grad else _empty(grad)
-    grad_w_down, grad_b_down = grad.new_empty(w_down.shape), grad.new_empty(w_down.shape[0])
+    grad_w_down, grad_b_down = grad.new_empty(w_down.shape), sums(w_down.shape[0])
     if not weight_grad:
         return grad_x, _empty(grad), _empty(grad), _empty(grad), _empty(grad), grad_w_down, grad_b_down
-    grad_w_gate, grad_b_gate = grad.new_empty(w_gate.shape), grad.new_empty(w_gate.shape[0])
+    grad_w_gate, grad_b_gate = grad.new_empty(w_gate.shape), sums(w_gate.shape[0])
     if w_up is None:
         return grad_x, grad_w_gate, grad_b_gate, _empty(grad), _empty(grad), grad_w_down, grad_b_down
-    grad_w_up, grad_b_up = grad.new_empty(w_up.shape), grad.new_empty(w_up.shape[0])
+    grad_w_up, grad_b_up = grad.new_empty(w_up.shape), sums(w_up.shape[0])
     return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
@@ -306,6 +316,8 @@ def _backward(ctx, grad, *_):
     x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad
     weight_grad = bool(needs[1] or needs[2] or needs[3] or needs[4])
+    has_b_gate, has_b_up, has_b_down = ctx.biases
+    bias_grad = bool(has_b_gate and needs[2] or has_b_up and needs[4] or has_b_down and needs[6])
     operator = torch.ops.fewbit.gated_mlp_compressed_backward if tracing(grad, x_packed) else _backward_impl
     grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = operator(
         grad.contiguous(),
@@ -321,8 +333,8 @@ def _backward(ctx, grad, *_):
         *ctx.options,
         bool(needs[0]),
         weight_grad,
+        bias_grad,
     )  # fmt: skip
-    has_b_gate, has_b_up, has_b_down = ctx.biases
     return (
         grad_x if needs[0] else None,
         grad_w_gate if needs[1] else None,

@@ -241,13 +241,14 @@ def test_opcheck(fused):
     detached = [None if t is None else t.detach() for t in (w_gate, w_up, w_down)]
     for input_grad in (True, False):
         for weight_grad in (True, False):
-            torch.library.opcheck(
-                torch.ops.fewbit.gated_mlp_compressed_backward,
-                (
-                    torch.randn(5, hidden), x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales,
-                    *detached, "gelu", bits, 64, input_grad, weight_grad,
-                ),
-            )  # fmt: skip
+            for bias_grad in (True, False):
+                torch.library.opcheck(
+                    torch.ops.fewbit.gated_mlp_compressed_backward,
+                    (
+                        torch.randn(5, hidden), x_packed, x_scales, gate_packed, gate_scales, up_packed, up_scales,
+                        *detached, "gelu", bits, 64, input_grad, weight_grad, bias_grad,
+                    ),
+                )  # fmt: skip
 
 
 @pytest.mark.parametrize("fused", [False, True])
@@ -345,3 +346,19 @@ def test_autocast_forward_is_the_exact_forward():
     torch.testing.assert_close(ours, exact, rtol=0, atol=0)
     (grad_x,) = torch.autograd.grad(ours.float().sum(), [x])
     assert grad_x.dtype == torch.float32 and torch.isfinite(grad_x).all()
+
+
+@pytest.mark.parametrize("fused", [False, True])
+def test_no_bias_gradient_no_row_sums(fused):
+    # LLaMA's MLP has no biases: the backward computed three sums over the rows (one of a (tokens, 2I) tensor) and
+    # dropped them; with biases the sums are the bias gradients (test_gradients_* above check their values)
+    from dispatched import Dispatched
+
+    torch.manual_seed(0)
+    for bias, expected in ((False, 0), (True, 2 if fused else 3)):
+        module = compressed(NativeGated(16, 24, "silu", fused=fused, bias=bias), 8)
+        y = module(torch.randn(5, 16, requires_grad=True) * 1)
+        with Dispatched() as recorded:
+            y.backward(torch.randn_like(y))
+        sums = [name for name, _ in recorded.calls if name.startswith("aten.sum.")]
+        assert len(sums) == expected, recorded.calls

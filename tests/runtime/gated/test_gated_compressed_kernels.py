@@ -39,7 +39,7 @@ def _backward(case, activation, bits, monkeypatch=None):
         monkeypatch.setattr(compressed, "_fused_kernels", lambda *_: None)
     try:
         return compressed._backward_impl(
-            grad, *x_codes, *gate_codes, *up_codes, w_gate, w_up, w_down, activation, bits, 64, True, True
+            grad, *x_codes, *gate_codes, *up_codes, w_gate, w_up, w_down, activation, bits, 64, True, True, True
         )
     finally:
         if monkeypatch is not None:
