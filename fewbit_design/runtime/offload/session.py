@@ -105,6 +105,7 @@ class _Record:
         self.block = 0  # the block (region entry) that wrote it: blockwise sessions prefetch within a block
 
 
+_NO_TARGET = object()  # (what Session._target_for finds for a device not seen yet; None: left in place)
 _ALIGN = 64  # byte alignment of a member inside a pack (any dtype's view of the staging bytes is aligned)
 
 
@@ -191,7 +192,7 @@ _OPEN_SESSIONS: dict[int, _SessionRef] = {}  # id -> reference: keeps the refere
 _FREED_LOCK = threading.Lock()
 
 
-def _close_targets(targets: dict[str, Any]) -> None:
+def _close_targets(targets: dict[Any, Any]) -> None:
     for target in list(targets.values()):  # (each close is idempotent: an interrupted call is simply redone)
         if target is not None:
             target.close()
@@ -292,7 +293,7 @@ class Session:
     ) -> None:
         close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
-        self._targets: dict[str, Any] = {}
+        self._targets: dict[torch.device, Any] = {}
         ref = _SessionRef(self, _FREED_SESSIONS.append)
         ref.targets = self._targets
         _OPEN_SESSIONS[id(ref)] = ref
@@ -366,10 +367,10 @@ class Session:
             raise FewBitError(self._closed)
 
     def _target_for(self, device: torch.device) -> Any:
-        key = str(device)
-        if key not in self._targets:
-            self._targets[key] = self._make_target(device)
-        return self._targets[key]
+        target = self._targets.get(device, _NO_TARGET)  # (keyed by the device itself: ``str(device)`` is slow)
+        if target is _NO_TARGET:
+            target = self._targets[device] = self._make_target(device)
+        return target
 
     # -- blocks ---------------------------------------------------------------------------------------------------
     def enter_block(self) -> None:
