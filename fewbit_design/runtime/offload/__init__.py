@@ -7,7 +7,8 @@ the project's errors, and its own modules; never scipy, matplotlib, numba or the
   ``modules``: ``apply`` (regions around chosen modules' forward) and its ``OffloadHandle``.
 * ``schedule``: the ordering logic as pure functions (what to prefetch when, when a buffer may be reused, size
   classes); ``cost``: the planner's cost model; ``layout``: the bytes of a saved tensor and how to restore it.
-* ``session``: the pack/unpack hooks of one step, driving a target; ``worker``: the background I/O thread.
+* ``session``: the pack/unpack hooks of one step, driving a target; ``staging``: reused buffers for packs of small
+  tensors; ``worker``: the background I/O thread.
 * ``disk``: CPU tensors to a file (one per step); ``cuda``: CUDA tensors to pinned host buffers on side streams.
 
 >>> import torch

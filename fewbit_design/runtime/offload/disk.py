@@ -36,6 +36,7 @@ import threading
 import torch
 
 from ...errors import FewBitError
+from .layout import Layout, empty, host_bytes, with_flags
 from .worker import Job, Worker
 
 __all__ = ["DiskTarget", "MIN_FREE_BYTES", "MAX_IDLE_FILES", "MAX_IDLE_TOTAL", "empty_cache", "idle_files"]
@@ -244,6 +245,38 @@ class DiskTarget:
         else:
             self._worker.submit(job)
         return offset, job
+
+    def write_now(self, tensor: torch.Tensor, nbytes: int) -> tuple[int | None, Exception | None]:
+        """Write the ``nbytes`` of ``tensor``'s storage span here and now (``prefetch=0``: no job, no copy, no torch
+        view); return their offset and the write's error (None), or ``(None, None)`` when the file would pass
+        ``capacity``. A full disk raises :class:`FewBitError` as :meth:`write` does; an error of the write itself
+        is returned, as :meth:`write`'s job holds it (and the file is never reused)."""
+        if self.capacity is not None and self.end + nbytes > self.capacity:
+            return None, None
+        offset = self._allocate(nbytes)
+        fd = self._fd_or_raise()
+        if nbytes:
+            try:
+                _pwrite_all(fd, host_bytes(tensor, nbytes), offset)
+            except BaseException as error:
+                self._failed = True  # never reuse this file
+                if not isinstance(error, Exception):  # KeyboardInterrupt: never turned into an I/O error
+                    raise
+                return offset, error
+        return offset, None
+
+    def read_now(self, offset: int, layout: Layout) -> tuple[torch.Tensor | None, Exception | None]:
+        """Read the tensor of ``layout`` written at ``offset`` here and now, straight into a new tensor of that
+        layout (allocated by the caller's thread, as :meth:`read`'s buffers); return it and None, or None and
+        the read's error."""
+        fd = self._fd_or_raise()
+        tensor = empty(layout)
+        if layout.nbytes:
+            try:
+                _pread_all(fd, host_bytes(tensor, layout.nbytes), offset)
+            except Exception as error:  # noqa: BLE001 - described by the caller, as a read job's error
+                return None, error
+        return with_flags(tensor, layout), None
 
     def read(self, offset: int, nbytes: int, *, sync: bool) -> Job:
         """Start reading ``nbytes`` at ``offset`` into a new uint8 tensor (allocated here, by the caller)."""

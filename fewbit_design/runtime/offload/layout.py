@@ -5,15 +5,21 @@ larger storage). Only the **span** of its storage that its elements can reach is
 the last, ``1 + sum((size - 1) * stride)`` elements. It is restored with the same sizes, strides, dtype and
 conjugate/negative bits at storage offset 0 of a fresh storage, so autograd sees the tensor it saved, bit for
 bit (a zero-size tensor moves no bytes). Needs torch; imports nothing else from the project.
+
+The synchronous disk path (issue 26: a step offloads hundreds of tensors, and the hooks' Python was most of the
+cost) moves the bytes without a torch view: :func:`host_bytes` is a ``memoryview`` of a CPU tensor's span at its
+address, and :func:`empty` allocates the restored tensor itself (sizes, strides, dtype; its storage is exactly the
+span), so a read goes straight into it. Layouts are cached per (sizes, strides, dtype, flags).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import ctypes
+from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Layout", "describe", "raw_bytes", "restore"]
+__all__ = ["Layout", "describe", "raw_bytes", "restore", "empty", "with_flags", "host_bytes"]
 
 
 @dataclass(frozen=True)
@@ -27,17 +33,28 @@ class Layout:
     itemsize: int
     conj: bool = False
     neg: bool = False
+    nbytes: int = field(init=False, repr=False, compare=False)  # ``span * itemsize`` (read once per hook or more)
 
-    @property
-    def nbytes(self) -> int:
-        return self.span * self.itemsize
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", self.span * self.itemsize)
+
+
+_LAYOUTS: dict[tuple, Layout] = {}  # (sizes, strides, dtype, conj, neg) -> its Layout (a model has a few dozen)
+_MAX_LAYOUTS = 4096  # (cleared when full: shapes that change every step never grow it without bound)
 
 
 def describe(tensor: torch.Tensor) -> Layout:
     """The :class:`Layout` of a strided tensor."""
-    size, stride = tuple(tensor.shape), tuple(tensor.stride())
-    span = 0 if tensor.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
-    return Layout(size, stride, tensor.dtype, span, tensor.element_size(), tensor.is_conj(), tensor.is_neg())
+    key = (tensor.shape, tensor.stride(), tensor.dtype, tensor.is_conj(), tensor.is_neg())
+    layout = _LAYOUTS.get(key)
+    if layout is None:
+        size, stride = tuple(key[0]), key[1]
+        span = 0 if tensor.numel() == 0 else 1 + sum((n - 1) * s for n, s in zip(size, stride, strict=True))
+        layout = Layout(size, stride, key[2], span, tensor.element_size(), key[3], key[4])
+        if len(_LAYOUTS) >= _MAX_LAYOUTS:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = layout
+    return layout
 
 
 def raw_bytes(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
@@ -57,9 +74,36 @@ def restore(raw: torch.Tensor, layout: Layout) -> torch.Tensor:
         typed = torch.empty(0, dtype=layout.dtype, device=raw.device)
     else:
         typed = raw.view(layout.dtype)
-    tensor = typed.as_strided(layout.size, layout.stride, typed.storage_offset())  # offset is absolute
+    return with_flags(typed.as_strided(layout.size, layout.stride, typed.storage_offset()), layout)  # (absolute)
+
+
+def empty(layout: Layout, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A new tensor with ``layout``'s sizes, strides and dtype whose storage is exactly its span (at offset 0, as
+    :func:`restore` makes it), its flags not applied yet: fill its bytes, then :func:`with_flags`."""
+    return torch.empty_strided(layout.size, layout.stride, dtype=layout.dtype, device=device)
+
+
+def with_flags(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``tensor`` (from :func:`empty`) as the saved tensor: with its conjugate and negative bits."""
     if layout.conj:
         tensor = tensor.conj()
     if layout.neg:
         tensor = torch._neg_view(tensor)
     return tensor
+
+
+_CHARS: dict[int, type] = {}  # byte count -> ctypes array type (a model saves a few dozen distinct sizes)
+
+
+def host_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
+    """A writable ``memoryview`` of the ``nbytes`` bytes of a CPU tensor's storage span, from its first element.
+
+    No torch view is made (no dispatch, no autograd): the view does NOT keep the storage alive, so it is only for a
+    call that ends while the caller holds ``tensor`` (a synchronous ``os.pwrite``/``os.preadv``). ``nbytes`` > 0."""
+    assert tensor.is_cpu and nbytes > 0, (tensor.device, nbytes)
+    chars = _CHARS.get(nbytes)
+    if chars is None:
+        if len(_CHARS) >= _MAX_LAYOUTS:
+            _CHARS.clear()
+        chars = _CHARS[nbytes] = ctypes.c_char * nbytes
+    return memoryview(chars.from_address(tensor.data_ptr()))

@@ -117,9 +117,48 @@ def _never_compiled(hook: Any) -> Any:
     graph: I/O, weak references and storage addresses guarded and re-traced per shape, and for some saved tensors
     (the memory-sharing norm's outputs) a graph that fails to compile (``tensor._base`` traced as a tensor, None
     when run: ``BackendCompilerFailed``). The hooks are plain Python by design; dynamo is only imported where
-    something already compiles (so ``import fewbit_design.runtime`` stays lean)."""
+    something already compiles (so ``import fewbit_design.runtime`` stays lean).
+
+    Not ``torch._dynamo.disable(hook)`` (issue 26): it builds a ``DisableContext`` (about 0.1 ms) per region entry,
+    and each of its calls sets the frame callback three times and asks whether an export runs. Here the wrapper's
+    own frame is skipped by dynamo (``skip_code``, as dynamo does for its non-recursive wrapper) and clears the
+    callback for the hook's frames only where one is set (the check costs one C call)."""
     dynamo = sys.modules.get("torch._dynamo")
-    return hook if dynamo is None else dynamo.disable(hook)
+    if dynamo is None:
+        return hook
+    if not _skip_guard_frames():  # (a torch without skip_code: dynamo's own wrapper)
+        return dynamo.disable(hook)
+    return _guarded(hook)
+
+
+def _guarded(hook: Any) -> Any:
+    from torch._C._dynamo.eval_frame import set_eval_frame
+
+    def guarded(argument: Any) -> Any:
+        prior = set_eval_frame(None)  # (the callback that was set: None outside torch.compile)
+        if prior is None:
+            return hook(argument)
+        try:
+            return hook(argument)
+        finally:
+            set_eval_frame(prior)
+
+    return guarded
+
+
+_GUARD_SKIPPED: list[bool] = []  # [whether dynamo skips the frames of ``_guarded``'s wrapper], once known
+
+
+def _skip_guard_frames() -> bool:
+    if not _GUARD_SKIPPED:
+        try:
+            from torch._dynamo.eval_frame import skip_code
+
+            skip_code(_guarded(None).__code__)  # (one code object for every wrapper)
+            _GUARD_SKIPPED.append(True)
+        except (ImportError, AttributeError):
+            _GUARD_SKIPPED.append(False)
+    return _GUARD_SKIPPED[0]
 
 
 def _top_hooks() -> tuple[Any, Any] | None:

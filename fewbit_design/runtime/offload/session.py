@@ -52,6 +52,7 @@ import torch
 from ...errors import FewBitError
 from . import schedule
 from .layout import Layout, describe, raw_bytes, restore
+from .staging import Staging
 
 __all__ = ["Session", "Stats", "close_freed", "push_stats", "pop_stats", "storage_pointer"]
 
@@ -105,6 +106,7 @@ class _Record:
         self.block = 0  # the block (region entry) that wrote it: blockwise sessions prefetch within a block
 
 
+_NO_TARGET = object()  # (what Session._target_for finds for a device not seen yet; None: left in place)
 _ALIGN = 64  # byte alignment of a member inside a pack (any dtype's view of the staging bytes is aligned)
 
 
@@ -140,40 +142,6 @@ class _Member:
         self.poisoned: str | None = None
 
 
-class Staging:
-    """Reused CPU staging buffers for packs (a pool keyed by size class, :class:`~.schedule.BufferPool`): a step
-    allocates no new staging memory once the previous step's buffers are idle. One per :func:`saved_tensors` block
-    or :func:`apply` (so its buffers go when the handle is removed or the model is freed); :meth:`trim` frees the
-    idle ones. CUDA packs are staged in device memory, which the caching allocator reuses already."""
-
-    def __init__(self) -> None:
-        self._pool = schedule.BufferPool(_allocate_host)
-
-    def acquire(self, nbytes: int, device: torch.device) -> tuple[torch.Tensor, Any]:
-        """A 1-D uint8 buffer of ``nbytes`` on ``device`` and its lease (None off the CPU)."""
-        if device.type != "cpu":
-            return torch.empty(nbytes, dtype=torch.uint8, device=device), None
-        lease = self._pool.acquire(nbytes)
-        assert lease is not None, "an uncapped pool always lends"
-        return lease.buffer[:nbytes], lease
-
-    def release(self, lease: Any) -> None:
-        if lease is not None:
-            self._pool.release(lease)
-
-    def trim(self) -> int:
-        """Free the idle buffers; return their bytes."""
-        return self._pool.trim()
-
-    @property
-    def held_bytes(self) -> int:
-        return self._pool.held_bytes
-
-
-def _allocate_host(nbytes: int) -> torch.Tensor:
-    return torch.empty(nbytes, dtype=torch.uint8)
-
-
 class _RecordRef(weakref.ref):
     """The session's weak reference to a record; what the target must release once the record is freed."""
 
@@ -191,7 +159,7 @@ _OPEN_SESSIONS: dict[int, _SessionRef] = {}  # id -> reference: keeps the refere
 _FREED_LOCK = threading.Lock()
 
 
-def _close_targets(targets: dict[str, Any]) -> None:
+def _close_targets(targets: dict[Any, Any]) -> None:
     for target in list(targets.values()):  # (each close is idempotent: an interrupted call is simply redone)
         if target is not None:
             target.close()
@@ -251,7 +219,11 @@ def pop_stats(stats: Stats) -> None:
 
 
 def _is_parameter_like(tensor: torch.Tensor) -> bool:
-    return isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad)
+    if tensor.is_leaf and tensor.requires_grad:
+        return True
+    if type(tensor) is torch.Tensor:  # (``isinstance(t, Parameter)`` is then its ``_is_param`` mark, without the
+        return bool(tensor.__dict__.get("_is_param", False))  # Python ``__instancecheck__`` of Parameter's type)
+    return isinstance(tensor, torch.nn.Parameter)
 
 
 def storage_pointer(tensor: torch.Tensor) -> int | None:
@@ -288,7 +260,7 @@ class Session:
     ) -> None:
         close_freed()  # a safe point: the previous step's file goes back to the pool before this one takes one
         self._make_target = make_target
-        self._targets: dict[str, Any] = {}
+        self._targets: dict[torch.device, Any] = {}
         ref = _SessionRef(self, _FREED_SESSIONS.append)
         ref.targets = self._targets
         _OPEN_SESSIONS[id(ref)] = ref
@@ -362,10 +334,10 @@ class Session:
             raise FewBitError(self._closed)
 
     def _target_for(self, device: torch.device) -> Any:
-        key = str(device)
-        if key not in self._targets:
-            self._targets[key] = self._make_target(device)
-        return self._targets[key]
+        target = self._targets.get(device, _NO_TARGET)  # (keyed by the device itself: ``str(device)`` is slow)
+        if target is _NO_TARGET:
+            target = self._targets[device] = self._make_target(device)
+        return target
 
     # -- blocks ---------------------------------------------------------------------------------------------------
     def enter_block(self) -> None:
@@ -385,26 +357,35 @@ class Session:
 
     # -- forward --------------------------------------------------------------------------------------------------
     def _eligible(self, tensor: torch.Tensor) -> bool:
-        if type(tensor) not in (torch.Tensor, torch.nn.Parameter) or _is_parameter_like(tensor):
+        # (a ``Parameter`` is parameter-like, and every other subclass is refused: only exact tensors go on)
+        if type(tensor) is not torch.Tensor or _is_parameter_like(tensor):
             return False
         base = tensor._base
         if base is not None and _is_parameter_like(base):
             return False
         if tensor.layout != torch.strided or tensor.is_quantized or tensor.is_nested or tensor.is_meta:
             return False
-        if tensor.device.type not in ("cpu", "cuda") or torch.is_inference(tensor):
+        if not (tensor.is_cpu or tensor.is_cuda) or tensor.is_inference():
             return False
         return True
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        self._check_open()
+        # (issue 26: this runs for every saved tensor, hundreds a step; each step below is guarded so that the
+        # common case, nothing freed and nothing in flight, costs no call)
+        if self._closed is not None:
+            raise FewBitError(self._closed)
         self.packed += 1
-        self._release_freed_records()
-        self._reap()
+        if self._freed_records:
+            self._release_freed_records()
+        if self._inflight:
+            self._reap()
         if not self._eligible(tensor):
             return tensor
-        pointer = storage_pointer(tensor)
-        if pointer is None or pointer in self.exclude:
+        try:  # (an exact tensor here: no DTensor wrapper, see storage_pointer)
+            pointer = tensor.untyped_storage().data_ptr()
+        except (RuntimeError, NotImplementedError):  # (functorch wrappers, fakes: no storage)
+            return tensor
+        if pointer in self.exclude:
             return tensor
         layout = describe(tensor)
         if layout.nbytes == 0 or layout.nbytes < self.min_bytes:
@@ -424,6 +405,8 @@ class Session:
             return tensor
         if layout.nbytes < self.pack_bytes:
             return self._pack_small(tensor, layout, key, target)
+        if self.depth == 0 and hasattr(target, "write_now"):
+            return self._pack_now(tensor, layout, key, target)
         if target.bounded_writes:
             self._wait_writes(schedule.write_backlog(len(self._inflight), self.depth))
         record = _Record(self._count, target, layout)
@@ -440,11 +423,33 @@ class Session:
         self._reap()
         return record
 
-    def _register(self, record: _Record) -> _RecordRef:
-        """Give a written record the next position and watch it (its target range is released when it dies)."""
+    def _pack_now(self, tensor: torch.Tensor, layout: Layout, key: tuple, target: Any) -> Any:
+        """:meth:`pack` of a tensor that goes alone to a target that writes synchronously (the disk target with
+        ``prefetch=0``, the planner's setting): written here from the tensor's own bytes (no view, no job), so the
+        record is finished when the hook returns, and nothing of the tensor is kept (the bytes on disk are the
+        value it had when it was saved, as a write job reaped at once leaves them)."""
+        location, error = target.write_now(tensor, layout.nbytes)
+        if location is None:  # the target is full (max_host_bytes): the tensor stays where it is
+            self._count_in_stats("kept_tensors", "kept_bytes", layout.nbytes)
+            return tensor
+        record = _Record(self._count, target, layout)
+        record.location = location
+        ref = self._register(record, inflight=False)
+        self._remember(key, tensor, ref)
+        self._count_transfer(layout.nbytes, layout.nbytes, 1)
+        if error is not None:  # (what _reap does with a failed write job)
+            record.poisoned = target.describe_error(error, f"writing {layout.nbytes} bytes")
+            self.close(record.poisoned + "; the step's saved tensors are lost")
+            raise FewBitError(record.poisoned + "; the step's saved tensors are lost")
+        return record
+
+    def _register(self, record: _Record, *, inflight: bool = True) -> _RecordRef:
+        """Give a written record the next position and watch it (its target range is released when it dies);
+        ``inflight``: its write is still to be reaped."""
         record.position = self._count
         record.block = self.block
-        self._inflight.append(record)
+        if inflight:
+            self._inflight.append(record)
         self._count += 1
         ref = _RecordRef(record, self._freed_records.append)
         ref.position, ref.target, ref.location = record.position, record.target, record.location
@@ -579,12 +584,24 @@ class Session:
         if isinstance(packed, _Member):
             return self._unpack_member(packed)
         record: _Record = packed
-        self._check_open()
+        if self._closed is not None:
+            raise FewBitError(self._closed)
         self.sealed = True
-        self._release_freed_records()
-        self._reap()
+        if self._freed_records:
+            self._release_freed_records()
+        if self._inflight:
+            self._reap()
         if record.kept is not None:
             tensor = record.kept
+        elif (
+            record.write is None
+            and record.fetch is None
+            and record.poisoned is None
+            and hasattr(record.target, "read_now")
+        ):  # (nothing in memory or on its way: read synchronously, straight into the restored tensor)
+            tensor, error = record.target.read_now(record.location, record.layout)
+            if error is not None:  # (what _materialize does with a failed read job)
+                raise FewBitError(record.target.describe_error(error, f"reading {record.layout.nbytes} bytes back"))
         else:
             tensor = restore(self._materialize(record), record.layout)
         record.served += 1
