@@ -368,12 +368,21 @@ _flash_attention_backward = torch.library.custom_op("fewbit::compressed_attentio
 
 @_flash_attention_backward.register_fake
 def _(grad, log_sum_exp, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size, *output_options):
-    return tuple(grad.new_empty(shape) for shape in (q_shape, k_shape, v_shape))
+    # the CPU flash backward's layouts: (B, S, H, D) in memory, transposed; the sum over query heads is contiguous
+    def like_kernel(shape, summed):
+        batch, heads, length, dim = shape
+        return grad.new_empty(shape) if summed else grad.new_empty((batch, length, heads, dim)).transpose(1, 2)
+
+    summed = q_shape[1] != k_shape[1]
+    return like_kernel(q_shape, False), like_kernel(k_shape, summed), like_kernel(v_shape, summed)
 
 
 def _flash_setup_context(ctx, inputs, output) -> None:
     q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size, output_bits, output_group_size, _ = inputs
     _, log_sum_exp, packed, scales = output
+    # no gradient flows into them; non-differentiable outputs are saved as themselves, so the backward unpacks the
+    # very tensors the output projection keeps and dequantize_shared finds its decode of them
+    ctx.mark_non_differentiable(log_sum_exp, packed, scales)
     ctx.save_for_backward(log_sum_exp, *codes, packed, scales)
     ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))
     ctx.options = (scale, is_causal, bits, group_size, output_bits, output_group_size)
@@ -472,7 +481,7 @@ def _flash_attention_shared(q, k, v, codes, scale, is_causal, repeat, bits, grou
     seed = torch.randint(0, 2**62, (), dtype=torch.int64) if stochastic else torch.zeros((), dtype=torch.int64)
     arguments = (q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size)
     output, _, packed, scales = _FlashAttentionEager.apply(*arguments, output_bits, output_group_size, stochastic)
-    # detached: the op saved these very tensors (one storage); the linear saves them as plain tensors
-    codes = (packed.detach(), scales.detach())
-    share_codes(_output_rows(output), codes, bits=output_bits, group_size=output_group_size, rounding=rounding)
+    share_codes(
+        _output_rows(output), (packed, scales), bits=output_bits, group_size=output_group_size, rounding=rounding
+    )
     return output

@@ -230,3 +230,46 @@ def test_output_projection_fed_something_else_quantizes_its_own_input(change):
     want = native.model.layers[0].self_attn.o_proj.weight.grad
     got = converted.model.layers[0].self_attn.o_proj.weight.grad
     assert float((got - want).norm() / want.norm()) < 0.02
+
+
+def test_output_codes_are_decoded_once_in_backward(monkeypatch):
+    """o_proj's backward decodes the shared codes and the core's backward reuses that decode (dequantize_shared): a
+    step decodes as many tensors as with the recomputing path (where o_proj decodes its own codes, the core none)."""
+    from fewbit_design.runtime.attention import ops as attention_ops
+
+    converted = _converted(_llama())
+    counts = {}
+    for path, shared_bits in (("recompute", 9), ("shared", attention_convert.SHARED_OUTPUT_BITS)):
+        calls = []
+        decode = quant.dequantize_groups
+
+        def counting(*args, calls=calls, decode=decode):
+            calls.append(args[2])
+            return decode(*args)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(attention_convert, "SHARED_OUTPUT_BITS", shared_bits)
+            patch.setattr(quant, "dequantize_groups", counting)
+            patch.setattr(attention_ops, "dequantize_groups", counting)
+            converted(input_ids=TOKENS, labels=TOKENS).loss.backward()
+        counts[path] = len(calls)
+    assert counts["shared"] == counts["recompute"], counts
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_opcheck(kv_heads):
+    q, k, v, grad = _inputs(kv_heads, "hf")
+    seed = torch.zeros((), dtype=torch.int64)
+    codes = [c for t in (q, k, v) for c in torch.ops.fewbit.group_quantize(t.detach(), 8, 64, False, seed)]
+    torch.library.opcheck(
+        torch.ops.fewbit.compressed_attention_flash.default,
+        (q, k, v, codes, torch.tensor(3), 0.3, True, HEADS // kv_heads, 8, 64, 8, 64, True),
+    )
+    output, log_sum_exp, packed, scales = torch.ops.fewbit.compressed_attention_flash(
+        q, k, v, codes, torch.tensor(3), 0.3, True, HEADS // kv_heads, 8, 64, 8, 64, True
+    )
+    shapes = [list(q.shape), list(k.shape), list(v.shape)]
+    torch.library.opcheck(
+        torch.ops.fewbit.compressed_attention_flash_backward.default,
+        (grad, log_sum_exp, [*codes, packed, scales], *shapes, 0.3, True, 8, 64, 8, 64),
+    )
