@@ -15,6 +15,10 @@ off, or on error) restores the model exactly. Attention modules with another imp
 softmax is not SDPA's, so the forward would not be bitwise the model's), and those with attention dropout (which
 the compressed core does not do), are left alone with the reason in the report.
 
+When the module's output projection (:data:`OUTPUT_PROJECTIONS`) is a compressed linear and the core's codes have
+:data:`SHARED_OUTPUT_BITS` bits, the core makes the projection's codes of its output and shares them, and keeps the
+forward's log-sum-exp: its backward runs no forward (:mod:`.ops`, "Shared output").
+
 Calls the compressed op does not cover go to transformers' own ``sdpa`` function unchanged: dropout in training,
 ``position_bias``, ``softcap``, attention outputs, and key/value lengths other than the query's (caches).
 
