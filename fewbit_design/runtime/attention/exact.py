@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import _repeat
+from .ops import _native_picks_flash, _repeat
 
 __all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
 
@@ -163,25 +163,6 @@ def _views(v: torch.Tensor, projected: torch.Tensor) -> bool:
         projected.is_contiguous()
         and projected.storage_offset() == 0
         and v.untyped_storage().data_ptr() == projected.untyped_storage().data_ptr()
-    )
-
-
-_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-
-
-def _native_picks_flash(q, k, v, mask, scale, is_causal, repeat) -> bool:
-    """Whether native SDPA would run the CPU flash kernel. In eager, torch's own choice; under torch.compile that
-    call returns a Python int, which dynamo cannot trace (a graph break at every layer), so the checks it makes for
-    CPU flash on these inputs are made here: 4-d dense inputs of a supported dtype, one head size, non-empty
-    sequences, unit stride along the head dimension (the ``torch.backends.cuda.enable_flash_sdp`` switch breaks the
-    graph too when read, so a compiled model ignores it)."""
-    if not torch.compiler.is_compiling():
-        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=repeat > 1)
-        return choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
-    tensors = (q, k, v)
-    return (
-        all(t.dim() == 4 and t.dtype in _FLASH_DTYPES and t.stride(-1) == 1 and t.shape[-2] > 0 for t in tensors)
-        and q.shape[-1] == k.shape[-1] == v.shape[-1]
     )
 
 

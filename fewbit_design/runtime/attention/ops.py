@@ -18,11 +18,23 @@ group, nearest rounding) and nothing else of size S x S or of the output:
 Gradients are approximate (the decoded values are within half a step of the exact ones): the error falls with K
 (tests/runtime/attention/test_attention_op.py measures it per K against native).
 
+Shared output (``output_codes``, eager, float32 on the CPU without a mask: how ``hf_attention_forward`` calls it when
+the output projection is a compressed linear): the forward runs the CPU flash kernel itself (the kernel native SDPA
+dispatches to, so bitwise the same output) and keeps its log-sum-exp (B, H, S float32) and the output projection's
+codes of the output, made here and handed to the projection (``linear.ops.share_codes``: one set for both). The
+backward decodes O~ (free: the projection's backward has just decoded the same codes) and runs the flash backward at
+(q~, k~, v~, O~, exact lse): ``P = exp(q~ k~^T scale - lse)``, ``dS = P (dP - rowsum(g O~))``, without running the
+forward again (the recomputing path runs it in backward for O and lse). Saved: ``4 H`` bytes per token more (the
+lse); the output's codes are the projection's (without sharing, the projection would keep them). The rows of P
+need not sum exactly to 1; the gradient error against native stays the recomputing path's order
+(tests/runtime/attention/test_attention_shared_output.py).
+
 Saved bytes per token and layer at D a multiple of 8: ``(H + 2 H_kv) * D * K / 8 + 8 * (H + 2 H_kv) * ceil(D /
 group_size)`` (e.g. H = H_kv = 4, D = 64, K = 8: 864 bytes, against native float32's 4 * 4 * 256 + 4 * H = 4112).
 
 Custom ops (``torch.library``, fake kernels, ``register_autograd``): ``fewbit::compressed_attention`` and
-``fewbit::compressed_attention_backward``; :func:`compressed_attention` is the entry point.
+``fewbit::compressed_attention_backward``, ``fewbit::compressed_attention_flash`` and its ``_backward`` (the shared
+output call); :func:`compressed_attention` is the entry point.
 """
 
 from __future__ import annotations
@@ -30,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from .._eager import eager_twin, tracing
-from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, quantize_codes
+from ..linear.ops import share_codes
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, dequantize_shared, quantize_codes
 
 __all__ = ["compressed_attention", "attention_backward_reference", "attention_backward_flash", "native_attention"]
 
@@ -61,6 +74,25 @@ def native_attention(
     )
 
 
+_FLASH_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+
+
+def _native_picks_flash(q, k, v, mask, scale, is_causal, repeat) -> bool:
+    """Whether native SDPA would run the CPU flash kernel. In eager, torch's own choice; under torch.compile that
+    call returns a Python int, which dynamo cannot trace (a graph break at every layer), so the checks it makes for
+    CPU flash on these inputs are made here: 4-d dense inputs of a supported dtype, one head size, non-empty
+    sequences, unit stride along the head dimension (the ``torch.backends.cuda.enable_flash_sdp`` switch breaks the
+    graph too when read, so a compiled model ignores it)."""
+    if not torch.compiler.is_compiling():
+        choice = torch._fused_sdp_choice(q, k, v, mask, 0.0, is_causal, scale=scale, enable_gqa=repeat > 1)
+        return choice == int(torch.nn.attention.SDPBackend.FLASH_ATTENTION)
+    tensors = (q, k, v)
+    return (
+        all(t.dim() == 4 and t.dtype in _FLASH_DTYPES and t.stride(-1) == 1 and t.shape[-2] > 0 for t in tensors)
+        and q.shape[-1] == k.shape[-1] == v.shape[-1]
+    )
+
+
 def attention_backward_reference(
     grad: torch.Tensor,
     q: torch.Tensor,
@@ -69,10 +101,18 @@ def attention_backward_reference(
     mask: torch.Tensor | None,
     scale: float | None,
     is_causal: bool,
+    *,
+    output: torch.Tensor | None = None,
+    log_sum_exp: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(dq, dk, dv)`` of SDPA at (q, k, v) for the output gradient ``grad`` (float32 arithmetic, float64 for
     float64 inputs; results in the inputs' dtypes); k and v may have fewer heads than q (GQA: their gradients are
     summed over each group's query heads).
+
+    With ``output`` and ``log_sum_exp`` (the flash backward's inputs, no mask): ``P = exp(q k^T scale - lse)`` and
+    ``dS = P (dP - rowsum(g output))`` with those, instead of the softmax and ``P v`` of (q, k, v): the formula of
+    the flash kernel's backward, the oracle of the compressed op's shared-output call (decoded q, k, v, the decoded
+    output and the forward's exact log-sum-exp, which need not agree with each other).
 
     Args:
         grad: gradient of the output, (B, H, S, D)
@@ -82,6 +122,8 @@ def attention_backward_reference(
         mask: boolean (True = attend) or additive float mask broadcastable to (B, H, S, S_kv), or None
         scale: the score scale, None for 1 / sqrt(D)
         is_causal: upper-left causal mask (as SDPA)
+        output: the attention output (B, H, S, D_v) for ``rowsum(g output)``, or None for ``P v``
+        log_sum_exp: the rows' log-sum-exp (B, H, S) that normalises ``P``, or None for the softmax
     """
     dtype = q.dtype
     compute = torch.promote_types(dtype, torch.float32)  # float32, float64 for float64 inputs
@@ -99,10 +141,13 @@ def attention_backward_reference(
         scores = (
             scores.masked_fill_(~mask, float("-inf")) if mask.dtype == torch.bool else scores.add_(mask.to(compute))
         )
-    # a row with every key masked has no distribution: zero probabilities, so zero gradients
-    probabilities = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    if log_sum_exp is None:
+        # a row with every key masked has no distribution: zero probabilities, so zero gradients
+        probabilities = torch.softmax(scores, dim=-1).nan_to_num_(0.0)
+    else:
+        probabilities = scores.sub_(log_sum_exp.to(compute)[..., None]).exp_()
     del scores
-    output = torch.matmul(probabilities, v32)
+    output = torch.matmul(probabilities, v32) if output is None else output.to(compute)
     grad_v = torch.matmul(probabilities.transpose(-2, -1), g32)
     # dS = P * (dP - rowsum(g * O)): the softmax Jacobian
     grad_s = torch.matmul(g32, v32.transpose(-2, -1)).sub_((g32 * output).sum(-1, keepdim=True))
@@ -228,6 +273,136 @@ _compressed_attention.register_autograd(_backward, setup_context=_setup_context)
 _CompressedAttentionEager = eager_twin(_compressed_attention_impl, _setup_context, _backward)
 
 
+# ----------------------------------------------------------------------------------------------------------------------
+# The float32 CPU call without a mask whose output feeds a compressed linear (the output projection): the forward
+# keeps the flash kernel's log-sum-exp and the codes of the output that the projection keeps anyway, so the backward
+# runs no forward
+
+
+def _sum_over_groups(grad: torch.Tensor, kv_heads: int) -> torch.Tensor:
+    """Autograd of ``repeat_kv``: (B, H, S, D) -> (B, H_kv, S, D), the sum over each group's query heads."""
+    batch, heads, length, _ = grad.shape
+    if heads == kv_heads:
+        return grad
+    return grad.reshape(batch, kv_heads, heads // kv_heads, length, -1).sum(2)
+
+
+def _output_rows(output: torch.Tensor) -> torch.Tensor:
+    """The attention output (B, H, S, D_v) as the output projection reads it: (B, S, H * D_v), a view of the flash
+    kernel's output (laid out (B, S, H, D_v))."""
+    batch, heads, length, dim = output.shape
+    return output.transpose(1, 2).reshape(batch, length, heads * dim)
+
+
+def _flash_attention_impl(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    codes: list[torch.Tensor],
+    seed: torch.Tensor,
+    scale: float | None,
+    is_causal: bool,
+    repeat: int,
+    bits: int,
+    group_size: int,
+    output_bits: int,
+    output_group_size: int,
+    output_stochastic: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    # the kernel native SDPA runs for these inputs (the caller checked it), k and v repeated as native repeats them
+    output, log_sum_exp = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, _repeat(k, repeat), _repeat(v, repeat), 0.0, is_causal, scale=scale
+    )
+    packed, scales = quantize_codes(_output_rows(output), output_bits, output_group_size, output_stochastic, seed)
+    return output, log_sum_exp, packed, scales
+
+
+_flash_attention = torch.library.custom_op("fewbit::compressed_attention_flash", mutates_args=())(_flash_attention_impl)
+
+
+@_flash_attention.register_fake
+def _(q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size, output_bits, output_group_size, stochastic):
+    batch, heads, length, dim = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
+    # the CPU kernel's layouts: the output (B, S, H, D_v) and the log-sum-exp (B, S, H) in memory, both transposed
+    output = q.new_empty((batch, length, heads, dim)).transpose(1, 2)
+    log_sum_exp = q.new_empty((batch, length, heads), dtype=torch.float32).transpose(1, 2)
+    groups = (heads * dim + output_group_size - 1) // output_group_size
+    packed = q.new_empty(((batch * length * heads * dim + 7) // 8) * output_bits, dtype=torch.uint8)
+    return output, log_sum_exp, packed, q.new_empty((batch * length, groups, 2), dtype=torch.float32)
+
+
+def _flash_attention_backward_impl(
+    grad: torch.Tensor,
+    log_sum_exp: torch.Tensor,
+    codes: list[torch.Tensor],
+    q_shape: list[int],
+    k_shape: list[int],
+    v_shape: list[int],
+    scale: float | None,
+    is_causal: bool,
+    bits: int,
+    group_size: int,
+    output_bits: int,
+    output_group_size: int,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    *qkv, output_packed, output_scales = codes
+    batch, heads, length, dim = q_shape[0], q_shape[1], q_shape[2], v_shape[-1]
+    # O~: the output projection's backward has just decoded these codes (dequantize_shared returns its tensor)
+    output = dequantize_shared(output_packed, output_scales, heads * dim, output_bits, output_group_size, grad.dtype)
+    output = output.view(batch, length, heads, dim).transpose(1, 2)
+    q, k, v = (
+        dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
+        for packed, scales, shape in zip(qkv[0::2], qkv[1::2], (q_shape, k_shape, v_shape), strict=True)
+    )
+    repeat = heads // k_shape[1]
+    grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad, q, _repeat(k, repeat), _repeat(v, repeat), output, log_sum_exp, 0.0, is_causal, scale=scale
+    )
+    return grad_q, _sum_over_groups(grad_k, k_shape[1]), _sum_over_groups(grad_v, k_shape[1])
+
+
+_flash_attention_backward = torch.library.custom_op("fewbit::compressed_attention_flash_backward", mutates_args=())(
+    _flash_attention_backward_impl
+)
+
+
+@_flash_attention_backward.register_fake
+def _(grad, log_sum_exp, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size, *output_options):
+    # the CPU flash backward's layouts: (B, S, H, D) in memory, transposed; the sum over query heads is contiguous
+    def like_kernel(shape, summed):
+        batch, heads, length, dim = shape
+        return grad.new_empty(shape) if summed else grad.new_empty((batch, length, heads, dim)).transpose(1, 2)
+
+    summed = q_shape[1] != k_shape[1]
+    return like_kernel(q_shape, False), like_kernel(k_shape, summed), like_kernel(v_shape, summed)
+
+
+def _flash_setup_context(ctx, inputs, output) -> None:
+    q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size, output_bits, output_group_size, _ = inputs
+    _, log_sum_exp, packed, scales = output
+    # no gradient flows into them; non-differentiable outputs are saved as themselves, so the backward unpacks the
+    # very tensors the output projection keeps and dequantize_shared finds its decode of them
+    ctx.mark_non_differentiable(log_sum_exp, packed, scales)
+    ctx.save_for_backward(log_sum_exp, *codes, packed, scales)
+    ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))
+    ctx.options = (scale, is_causal, bits, group_size, output_bits, output_group_size)
+
+
+def _flash_backward(ctx, grad: torch.Tensor, *_unused: torch.Tensor | None):
+    log_sum_exp, *codes = ctx.saved_tensors
+    operator = (
+        torch.ops.fewbit.compressed_attention_flash_backward
+        if tracing(grad, *codes)
+        else _flash_attention_backward_impl
+    )
+    grad_q, grad_k, grad_v = operator(grad, log_sum_exp, codes, *ctx.shapes, *ctx.options)
+    return grad_q, grad_k, grad_v, [None] * (len(codes) - 2), None, None, None, None, None, None, None, None, None
+
+
+_flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+_FlashAttentionEager = eager_twin(_flash_attention_impl, _flash_setup_context, _flash_backward)
+
+
 def compressed_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -240,11 +415,20 @@ def compressed_attention(
     enable_gqa: bool = False,
     bits: int = 8,
     group_size: int = GROUP_SIZE,
+    output_codes: tuple[int, int, str] | None = None,
 ) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, mask, is_causal=..., scale=...)`` (no dropout; k and v repeated
     ``kv_repeat`` times per head first, or ``enable_gqa``) that keeps q, k and v for backward as ``bits``-bit group
     codes (module docstring). Without a gradient to compute (grad mode off, or none of q, k, v requires grad, or a
     mask that requires grad) it is the native call.
+
+    ``output_codes``, the ``(bits, group_size, rounding)`` of a compressed linear that reads this output as
+    (B, S, H * D_v) (Hugging Face's output projection): in eager, for float32 CPU inputs without a mask on which
+    native SDPA runs the flash kernel, the op runs that kernel itself and keeps its log-sum-exp (4 bytes per query
+    and head) and the output's codes with those options, which it hands to the linear (``share_codes``: one set
+    for both, the linear quantizes nothing); its backward then decodes O~ instead of running the forward again, and
+    gives the flash backward at (q~, k~, v~, O~, the exact log-sum-exp). If the linear is fed another tensor, the
+    op keeps the codes alone (correct, 1.125 bytes per output element more at 8 bits).
 
     >>> q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
     >>> native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
@@ -262,6 +446,7 @@ def compressed_attention(
         enable_gqa: SDPA's grouped-query flag (instead of ``kv_repeat``)
         bits: bits per saved code, 2 to 8
         group_size: values per (low, step) group along the head dimension
+        output_codes: ``(bits, group_size, rounding)`` of the compressed linear reading the output, or None
     """
     bits, group_size, _ = check_options(bits, group_size, "nearest")
     needs_grad = any(t.requires_grad for t in (q, k, v)) and not (mask is not None and mask.requires_grad)
@@ -271,7 +456,32 @@ def compressed_attention(
     codes: list[torch.Tensor] = []
     for tensor in (q, k, v):
         codes.extend(quantize_codes(tensor, bits, group_size, False, seed))
+    repeat = q.shape[1] // k.shape[1] if enable_gqa else kv_repeat
+    if (
+        output_codes is not None
+        and mask is None
+        and q.dtype == torch.float32
+        and q.device.type == "cpu"
+        and not tracing(q, k, v)
+        and _native_picks_flash(q, k, v, None, scale, is_causal, repeat)
+    ):
+        return _flash_attention_shared(q, k, v, codes, scale, is_causal, repeat, bits, group_size, output_codes)
     arguments = (q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size)
     if tracing(q, k, v, mask):
         return torch.ops.fewbit.compressed_attention(*arguments)
     return _CompressedAttentionEager.apply(*arguments)
+
+
+def _flash_attention_shared(q, k, v, codes, scale, is_causal, repeat, bits, group_size, output_codes) -> torch.Tensor:
+    """:func:`compressed_attention`'s call with ``output_codes`` (its docstring): the flash op, its output's codes
+    handed to the compressed linear that reads the output."""
+    output_bits, output_group_size, rounding = check_options(*output_codes)
+    stochastic = rounding == "stochastic"
+    # stochastic codes draw their seed as a compressed linear does (torch.manual_seed makes them reproducible)
+    seed = torch.randint(0, 2**62, (), dtype=torch.int64) if stochastic else torch.zeros((), dtype=torch.int64)
+    arguments = (q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size)
+    output, _, packed, scales = _FlashAttentionEager.apply(*arguments, output_bits, output_group_size, stochastic)
+    share_codes(
+        _output_rows(output), (packed, scales), bits=output_bits, group_size=output_group_size, rounding=rounding
+    )
+    return output

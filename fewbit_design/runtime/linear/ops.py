@@ -105,21 +105,29 @@ _CompressedLinearEager = eager_twin(_compressed_linear_impl, _setup_context, _ba
 
 
 class _SharedCodes:
-    """Codes of the forward's intermediate tensors, keyed by tensor identity, dropped when the tensor is freed or
-    changed in place (its version moves on)."""
+    """Codes of the forward's intermediate tensors, keyed by the data they read: a tensor's address, strides, shape
+    and dtype, so a view of the same elements (Hugging Face reshapes the attention output before the output
+    projection) finds the codes made for another view. An entry lives while the tensor it was made for (or the base
+    it is a view of, which holds the storage) lives, so the address names those elements; it is dropped when that
+    tensor is freed and ignored once the elements change in place (views share one version counter)."""
 
     def __init__(self) -> None:
-        self._entries: dict[tuple[int, tuple], tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._entries: dict[tuple, tuple[Any, int, tuple[torch.Tensor, torch.Tensor]]] = {}
         self._lock = threading.Lock()
+
+    @staticmethod
+    def _key(x: torch.Tensor, options: tuple) -> tuple:
+        return (x.data_ptr(), x.stride(), options)
 
     def get(self, x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
         if torch.compiler.is_compiling() or x.grad_fn is None:
             return make()
-        key = (id(x), options)
         with self._lock:
-            entry = self._entries.get(key)
-        if entry is not None and entry[0]() is x and entry[1] == x._version:
-            return entry[2]
+            entry = self._entries.get(self._key(x, options))
+        if entry is not None:
+            owner = entry[0]()
+            if owner is not None and entry[1] == x._version == owner._version:
+                return entry[2]
         codes = make()
         self.put(x, options, codes)
         return codes
@@ -128,14 +136,17 @@ class _SharedCodes:
         """Record ``codes`` as x's for these options (eager tensors computed in the forward only)."""
         if torch.compiler.is_compiling() or x.grad_fn is None:
             return
-        key = (id(x), options)
-        entries = self._entries
+        key = self._key(x, options)
+        owner = x if x._base is None else x._base  # a view's base holds the storage (and lives as long as the view)
+        entries, lock = self._entries, self._lock
 
-        def forget(_ref, key=key, entries=entries):
-            entries.pop(key, None)
+        def forget(ref, key=key, entries=entries, lock=lock):
+            with lock:
+                if key in entries and entries[key][0] is ref:  # not a later entry for the same data
+                    del entries[key]
 
-        with self._lock:
-            self._entries[key] = (weakref.ref(x, forget), x._version, codes)
+        with lock:
+            entries[key] = (weakref.ref(owner, forget), x._version, codes)
 
 
 _SHARED = _SharedCodes()
@@ -156,8 +167,9 @@ def share_codes(
     """Make ``codes`` (``(packed, scales)`` of x from ``fewbit::group_quantize`` with these options) the codes every
     compressed linear layer reading x with the same options saves, instead of quantizing x again: a module that
     computes x and keeps its codes itself (a memory-sharing norm in compressed mode) and the layers after it then
-    keep one set. Eager only (under ``torch.compile`` each layer quantizes its input itself); ignored for a tensor
-    without ``grad_fn``.
+    keep one set. A layer fed a view of the same elements (same address, shape, strides, dtype) finds them too: the
+    attention core hands its output's codes to the output projection, which reads a reshaped view of it. Eager only
+    (under ``torch.compile`` each layer quantizes its input itself); ignored for a tensor without ``grad_fn``.
 
     Args:
         x: the tensor the codes are of

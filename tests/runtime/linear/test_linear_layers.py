@@ -139,6 +139,28 @@ def test_layers_taking_one_tensor_save_one_set_of_codes():
     assert fresh.total == 3 * (8 * 64 * 4 // 8 + 8 * 8)
 
 
+def test_a_view_of_a_shared_input_finds_its_codes():
+    """A layer fed a view of the same elements (LLaMA's lm_head reads ``hidden[:, 0:]`` of the final norm's output;
+    o_proj a reshape of the attention output) keeps the codes made for the tensor: one set, as native keeps one
+    tensor (the same shape: the codes' scales are laid out by rows). A view whose elements changed in place since
+    (the version moved on) is quantized afresh."""
+    torch.manual_seed(0)
+    first, second = CompressedLinear(64, 8, bits=8), CompressedLinear(64, 8, bits=8)
+    x = torch.randn(2, 4, 64, requires_grad=True)
+    one_set = 2 * 4 * 64 + 2 * 4 * 8
+    with memory.saved_bytes() as saved:
+        h = x * 2
+        (first(h).sum() + second(h[:, 0:]).sum()).backward()
+    assert saved.total == one_set
+    with memory.saved_bytes() as changed:
+        h = x * 2
+        out = first(h).sum()
+        view = h[:, 0:]
+        view.mul_(3)
+        (out + second(view).sum()).backward()
+    assert changed.total == 2 * one_set
+
+
 def test_layers_sharing_codes_decode_them_once_in_backward(monkeypatch):
     """The q, k and v projections' backward passes read one set of codes: it is decoded once (one pass and one
     float allocation instead of three), and each weight gradient is bitwise what a decode of its own gives."""
