@@ -118,6 +118,24 @@ def test_eager_norm_runs_no_custom_op_and_three_or_four_passes_in_backward(kind)
     assert len(passes) <= (4 if bias is not None else 3), passes
 
 
+@pytest.mark.parametrize("kind", ["layer_norm", "rms_norm"])
+def test_compiled_backward_op_is_the_fused_fast_path(kind, monkeypatch):
+    # the regression: fewbit::norm_backward (what a compiled norm's backward runs) took the ~12-pass reference while
+    # eager took _backward_fast; now both are the fused kernel, with the same gradients bitwise
+    rows, width = 6, 16
+    x, weight = torch.randn(rows, width), torch.rand(width) + 0.5
+    bias = torch.randn(width) if kind == "layer_norm" else None
+    y, rstd, channels, kept = ops._forward_exact(x, weight, bias, kind, 1, 1e-5, 0.25, -1)
+    grad = torch.randn(rows, width)
+    fast, calls = ops._backward_fast, []
+    monkeypatch.setattr(ops, "_backward_fast", lambda *args: calls.append(args) or fast(*args))
+    got = torch.ops.fewbit.norm_backward(grad, y, rstd, channels, kept, weight, bias, kind, x.dtype)
+    assert len(calls) == 1
+    expected = fast(grad, y, rstd, channels, kept, weight, bias, kind, x.dtype, (True, True, True))
+    assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+    assert torch.equal(got[2], expected[2]) if bias is not None else got[2].numel() == 0
+
+
 def test_eager_and_compiled_norm_agree_and_keep_the_zero_channel():
     torch._dynamo.reset()
     weight = torch.nn.Parameter(torch.rand(16) + 0.5)
