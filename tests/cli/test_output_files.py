@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import stat
 import threading
+import time
 
 import pytest
 
@@ -63,10 +64,15 @@ def test_a_fifo_is_written_in_place_not_replaced(capsys, tmp_path):
     try:
         code, _, err = run(capsys, "relu6", "--bits", "1", "--out", str(fifo), "--force")
     finally:
-        if reader.is_alive():  # never leave the reader blocked if the write did not open the FIFO
-            with open(fifo, "wb"):
+        # never leave the reader blocked if the write did not open the FIFO, and never block here either: a blocking
+        # open for writing waits forever when the reader is alive but already done with the FIFO (it hung CI once)
+        deadline = time.monotonic() + 10
+        while reader.is_alive() and time.monotonic() < deadline:
+            try:
+                os.close(os.open(fifo, os.O_WRONLY | os.O_NONBLOCK))  # a reader waiting in open() then reads EOF
+            except OSError:  # ENXIO: no reader has it open (not yet, or no longer)
                 pass
-        reader.join(10)
+            reader.join(0.05)
     assert code == 0, err
     assert stat.S_ISFIFO(os.lstat(fifo).st_mode)
     assert table_module.loads(received[0].decode()).activation == "relu6"
