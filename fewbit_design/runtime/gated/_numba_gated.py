@@ -35,7 +35,7 @@ from llvmlite import ir
 from numba.core import types
 from numba.extending import intrinsic, overload
 
-from .._numba_packing import _fma, _unpack_buffer
+from .._numba_packing import _0, _8, _fma, _u64, _unpack_buffer
 
 __all__ = ["ACTIVATIONS", "product", "gradients"]
 
@@ -44,13 +44,8 @@ ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "relu": 2}
 
 BLOCK = 8192  # elements of a block's code buffers (at least 8 rows)
 
-_u64 = numba.uint64
 _f32 = numba.float32
 _i32 = numba.int32
-_0 = np.uint64(0)
-_1 = np.uint64(1)
-_8 = np.uint64(8)
-_16 = np.uint64(16)
 _ROUND = np.uint32(0x7FFF)
 _ONE = np.float32(1.0)
 _TWO = np.float32(2.0)
