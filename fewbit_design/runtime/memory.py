@@ -22,6 +22,9 @@ storage, whose callback only queues it: no Python code runs while a storage is f
 lost; the queue is read at the next operator and whenever ``live_bytes`` is read). ``peak_bytes`` is the largest
 total of such storages alive at once, measured after each operator: the bytes allocated inside the region above
 what was alive at entry. Memory an operator uses only while it runs (scratch space of a kernel) is not seen.
+A tensor made outside the dispatcher over memory that is not the allocator's (offload's mapped reads: a view of the
+offload file's pages, ``torch.frombuffer``) is counted when its maker calls :func:`count_storage`, as if an operator
+had returned it.
 
 Beside it, :func:`peak` reports the process's view on Linux: ``rss_peak_bytes``, the peak resident set size
 (RSS) during the block above the RSS at entry. The kernel's high-water mark ``VmHWM`` (``/proc/self/status``) is
@@ -53,7 +56,7 @@ from torch.utils._pytree import tree_leaves
 
 from ..errors import FewBitError
 
-__all__ = ["Peak", "SavedBytes", "peak", "saved_bytes", "storage_key"]
+__all__ = ["Peak", "SavedBytes", "count_storage", "peak", "saved_bytes", "storage_key"]
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
@@ -395,7 +398,6 @@ class _PeakMode(TorchDispatchMode):
         out = func(*args, **kwargs)
         self.collect()
         inputs = None
-        result = self.result
         for tensor in tree_leaves(out):
             if not isinstance(tensor, torch.Tensor) or tensor.device.type == "meta":
                 continue
@@ -403,24 +405,51 @@ class _PeakMode(TorchDispatchMode):
                 storage = tensor.untyped_storage()
             except (RuntimeError, NotImplementedError):  # tensors without storage (sparse, nested, functional)
                 continue
-            key = id(storage)
-            if key in self.alive:
+            if id(storage) in self.alive:
                 continue
             if inputs is None:
                 inputs = {id(_storage_or_none(t)) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-            if key in inputs:  # a view or an in-place result of an input: no new memory
+            if id(storage) in inputs:  # a view or an in-place result of an input: no new memory
                 continue
-            nbytes = int(storage.nbytes())
-            ref = _StorageRef(storage, self.freed.append)
-            ref.key, ref.nbytes = key, nbytes
-            self.alive[key] = ref
-            result._live_bytes += nbytes
-            result.allocated_bytes += nbytes
+            self.add(storage)
+        self.note(str(func))
+        return out
+
+    def add(self, storage: torch.UntypedStorage) -> None:
+        """Count ``storage`` (new, not counted yet) until it is freed."""
+        key, nbytes = id(storage), int(storage.nbytes())
+        ref = _StorageRef(storage, self.freed.append)
+        ref.key, ref.nbytes = key, nbytes
+        self.alive[key] = ref
+        self.result._live_bytes += nbytes
+        self.result.allocated_bytes += nbytes
+
+    def note(self, event: str) -> None:
+        """Fold the live bytes into the peak (and the timeline) after ``event``."""
+        result = self.result
         if result._live_bytes > result.peak_bytes:
             result.peak_bytes = result._live_bytes
         if result.timeline is not None:
-            result.timeline.append((str(func), result._live_bytes))
-        return out
+            result.timeline.append((event, result._live_bytes))
+
+
+_ACTIVE_PEAKS: list[_PeakMode] = []  # the peak() blocks open now, outermost first
+
+
+def count_storage(tensor: torch.Tensor) -> None:
+    """Count ``tensor``'s storage in every :func:`peak` block open now, as a new tensor an operator returned.
+
+    For tensors made outside the dispatcher over memory that is not the allocator's, which no operator returns
+    (offload's mapped reads: ``torch.frombuffer`` over the offload file's pages); counted once, uncounted when the
+    storage is freed. A no-op when no block is open (the common case: one list check)."""
+    if not _ACTIVE_PEAKS:
+        return
+    storage = tensor.untyped_storage()
+    for mode in _ACTIVE_PEAKS:
+        mode.collect()
+        if id(storage) not in mode.alive:
+            mode.add(storage)
+            mode.note("count_storage")
 
 
 _STATUS = "/proc/self/status"
@@ -526,10 +555,12 @@ def _peak(alive: tuple[torch.Tensor | torch.nn.Module, ...], timeline: bool) -> 
         cuda_entry = torch.cuda.memory_allocated()
     mode = _PeakMode(result)
     rss = _start_rss()
+    _ACTIVE_PEAKS.append(mode)
     try:
         with mode:
             yield result
     finally:
+        _ACTIVE_PEAKS.remove(mode)
         mode.close()
         if rss is not None:
             result.rss_peak_bytes = _finish_rss(rss)

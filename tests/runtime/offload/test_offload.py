@@ -59,8 +59,10 @@ def offload_threads():
 
 
 def open_offload_files(directory):
-    """Descriptors of this process that point at offload files in ``directory``: unnamed files (Linux O_TMPFILE,
-    shown as 'directory/#inode (deleted)') or named ones that were unlinked ('.../fewbit-offload-... (deleted)')."""
+    """The offload files in ``directory`` that descriptors of this process point at, each once: unnamed files
+    (Linux O_TMPFILE, shown as 'directory/#inode (deleted)') or named ones that were unlinked
+    ('.../fewbit-offload-... (deleted)'). A mapped file has two descriptors (the target's, and the one Python's
+    ``mmap`` keeps until the mapping is closed): one file."""
     if not os.path.isdir("/proc/self/fd"):  # (not Linux: only the folder listing checks for files left)
         return []
     folder = os.path.realpath(directory) + os.sep
@@ -72,7 +74,7 @@ def open_offload_files(directory):
             continue
         name = target[len(folder) :]
         unnamed = re.fullmatch(r"#\d+ \(deleted\)", name)
-        if target.startswith(folder) and (name.startswith("fewbit-offload-") or unnamed):
+        if target.startswith(folder) and (name.startswith("fewbit-offload-") or unnamed) and target not in found:
             found.append(target)
     return found
 
@@ -163,6 +165,7 @@ def test_round_trip_is_bitwise(dtype, layout, prefetch, tmp_path):
     assert stats.tensors == (1 if tensor.numel() else 0)
     if tensor.numel() and prefetch == 0:  # synchronous: written at pack, read back at unpack
         assert got.untyped_storage().data_ptr() != tensor.untyped_storage().data_ptr()
+    del got  # (with prefetch=0 it maps its step's file: kept from the pool while it lives, see test_mapped_reads.py)
     assert_nothing_left(tmp_path, collect=False)
 
 
@@ -532,13 +535,13 @@ def test_write_error_is_one_clear_error_not_a_gradient(prefetch, tmp_path, monke
 
 
 def test_read_error_is_one_clear_error(tmp_path, monkeypatch):
-    def broken(fd, data, offset):
+    def broken(fd, size):  # (prefetch=0 maps the file to read: mapping it is what can fail)
         raise OSError(errno.EIO, "Input/output error")
 
     x = torch.randn(4096, requires_grad=True)
     with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path):
         loss = torch.tanh(torch.tanh(x * 1)).sum()
-    monkeypatch.setattr(disk, "_pread_all", broken)
+    monkeypatch.setattr(disk.mmap, "mmap", broken)
     with pytest.raises(FewBitError, match="Input/output error"):
         loss.backward()
     assert x.grad is None
@@ -783,7 +786,15 @@ def test_interrupt_while_creating_the_file_leaves_no_file(tmp_path, monkeypatch)
 
 
 def open_descriptors():
-    return len(os.listdir("/proc/self/fd"))
+    """Open files of this process, each once (a mapped offload file has two descriptors: the target's and the one
+    Python's ``mmap`` keeps while the mapping is open)."""
+    files = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            files.add(os.readlink(f"/proc/self/fd/{fd}"))
+        except OSError:  # (the listing's own descriptor, closed by now)
+            continue
+    return len(files)
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
