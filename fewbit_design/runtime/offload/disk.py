@@ -55,7 +55,7 @@ import torch
 
 from ...errors import FewBitError
 from ..memory import count_storage
-from .layout import Layout, empty, host_bytes, with_flags
+from .layout import Layout, address_bytes, empty, with_flags
 from .worker import Job, Worker
 
 __all__ = ["DiskTarget", "MIN_FREE_BYTES", "MAX_IDLE_FILES", "MAX_IDLE_TOTAL", "empty_cache", "idle_files"]
@@ -278,18 +278,19 @@ class DiskTarget:
             self._worker.submit(job)
         return offset, job
 
-    def write_now(self, tensor: torch.Tensor, nbytes: int) -> tuple[int | None, Exception | None]:
-        """Write the ``nbytes`` of ``tensor``'s storage span here and now (``prefetch=0``: no job, no copy, no torch
-        view); return their offset and the write's error (None), or ``(None, None)`` when the file would pass
-        ``capacity``. A full disk raises :class:`FewBitError` as :meth:`write` does; an error of the write itself
-        is returned, as :meth:`write`'s job holds it (and the file is never reused)."""
+    def write_now(self, address: int, nbytes: int) -> tuple[int | None, Exception | None]:
+        """Write the ``nbytes`` of host memory at ``address`` (a tensor's storage span, or a whole storage) here and
+        now (``prefetch=0``: no job, no copy, no torch view); the caller holds the tensor. Return their offset and
+        the write's error (None), or ``(None, None)`` when the file would pass ``capacity``. A full disk raises
+        :class:`FewBitError` as :meth:`write` does; an error of the write itself is returned, as :meth:`write`'s job
+        holds it (and the file is never reused)."""
         if self.capacity is not None and self.end + nbytes > self.capacity:
             return None, None
         offset = self._allocate(nbytes)
         fd = self._fd_or_raise()
         if nbytes:
             try:
-                _pwrite_all(fd, host_bytes(tensor, nbytes), offset)
+                _pwrite_all(fd, address_bytes(address, nbytes), offset)
             except BaseException as error:
                 self._failed = True  # never reuse this file
                 if not isinstance(error, Exception):  # KeyboardInterrupt: never turned into an I/O error

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Layout", "describe", "raw_bytes", "restore", "empty", "with_flags", "host_bytes"]
+__all__ = ["Layout", "describe", "raw_bytes", "restore", "empty", "with_flags", "host_bytes", "address_bytes"]
 
 
 @dataclass(frozen=True)
@@ -101,9 +101,15 @@ def host_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
     No torch view is made (no dispatch, no autograd): the view does NOT keep the storage alive, so it is only for a
     call that ends while the caller holds ``tensor`` (a synchronous ``os.pwrite``/``os.preadv``). ``nbytes`` > 0."""
     assert tensor.is_cpu and nbytes > 0, (tensor.device, nbytes)
+    return address_bytes(tensor.data_ptr(), nbytes)
+
+
+def address_bytes(address: int, nbytes: int) -> memoryview:
+    """A writable ``memoryview`` of ``nbytes`` bytes of host memory at ``address`` (> 0 bytes; as
+    :func:`host_bytes`, it keeps nothing alive)."""
     chars = _CHARS.get(nbytes)
     if chars is None:
         if len(_CHARS) >= _MAX_LAYOUTS:
             _CHARS.clear()
         chars = _CHARS[nbytes] = ctypes.c_char * nbytes
-    return memoryview(chars.from_address(tensor.data_ptr()))
+    return memoryview(chars.from_address(address))

@@ -136,12 +136,12 @@ def test_double_backward_keeps_its_mapped_tensors_intact(tmp_path):
 def test_a_longer_file_is_mapped_again_while_tensors_hold_the_shorter_mapping(tmp_path):
     target = disk.DiskTarget(tmp_path)
     a = torch.arange(1024, dtype=torch.float32)
-    offset_a, error = target.write_now(a, a.numel() * 4)
+    offset_a, error = target.write_now(a.data_ptr(), a.numel() * 4)
     assert error is None
     got_a, error = target.read_now(offset_a, describe(a))  # maps the file as it is now
     assert error is None
     b = torch.arange(4096, dtype=torch.float64)
-    offset_b, _ = target.write_now(b, b.numel() * 8)
+    offset_b, _ = target.write_now(b.data_ptr(), b.numel() * 8)
     got_b, error = target.read_now(offset_b, describe(b))  # past the mapping: the file is mapped again
     assert error is None
     assert torch.equal(got_a, a) and torch.equal(got_b, b)

@@ -51,8 +51,13 @@ def test_every_dtype_and_layout_round_trips_bitwise_without_a_job(dtype, tmp_pat
         nbytes = describe(tensor).nbytes
         assert stats.transfers == (1 if nbytes else 0)  # (a zero-size tensor stays in place)
         if nbytes:
-            assert got.untyped_storage().nbytes() == nbytes  # only the span came back, at offset 0
-            assert got.storage_offset() == 0
+            whole = tensor.untyped_storage().nbytes()
+            if whole <= 2 * nbytes:  # the whole storage came back, the tensor at its own offset in it
+                assert got.untyped_storage().nbytes() == whole
+                assert got.storage_offset() == tensor.storage_offset()
+            else:  # only the span came back, at offset 0
+                assert got.untyped_storage().nbytes() == nbytes
+                assert got.storage_offset() == 0
     del got  # (it maps its step's file: kept from the pool while it lives, see test_mapped_reads.py)
     assert_nothing_left(tmp_path)
 
@@ -175,4 +180,58 @@ def test_hooks_are_guarded_without_a_dynamo_disable_per_region(tmp_path, monkeyp
     loss.backward()
     assert stats.transfers == 1
     del loss
+    assert_nothing_left(tmp_path)
+
+
+class SaveViews(torch.autograd.Function):
+    """Saves the given tensors for backward and hands what backward unpacked to ``sink``."""
+
+    @staticmethod
+    def forward(ctx, anchor, sink, *tensors):
+        ctx.save_for_backward(*tensors)
+        ctx.sink = sink
+        return anchor.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.sink.extend(ctx.saved_tensors)
+        return grad, None, *(None for _ in ctx.saved_tensors)
+
+
+def test_views_of_one_storage_are_written_once_and_come_back_as_views_of_one_storage(tmp_path, no_job_path):
+    """GPT-2's attention saves its query, key and value: three views of one projection's output, each spanning
+    almost all of it; a linear's input is saved as (batch, sequence, width) and as (batch * sequence, width)."""
+    qkv = torch.randn(2, 64, 24)
+    q, k, v = (t.reshape(2, 64, 2, 4).transpose(1, 2) for t in qkv.split(8, dim=-1))
+    views = [q, k, v, qkv.reshape(128, 24), qkv]
+    sink = []
+    anchor = torch.zeros(1, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
+        out = SaveViews.apply(anchor, sink, *views)
+    assert stats.transfers == 1 and stats.bytes == qkv.untyped_storage().nbytes()  # one storage, written once
+    out.sum().backward()
+    assert len(sink) == len(views)
+    assert len({t.untyped_storage().data_ptr() for t in sink}) == 1  # views of one storage read back
+    for got, saved in zip(sink, views, strict=True):
+        assert_same_tensor(got, saved)
+        assert got.storage_offset() == saved.storage_offset()
+    del sink, got, out
+    assert_nothing_left(tmp_path)
+
+
+def test_a_storage_modified_in_place_between_saves_is_written_again(tmp_path, no_job_path):
+    x = torch.randn(4096)
+    sink = []
+    anchor = torch.zeros(1, requires_grad=True)
+    with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
+        first = SaveViews.apply(anchor, sink, x.view(64, 64))
+        before = x.clone()
+        x.add_(1)  # a new version: the next view of it is another record
+        second = SaveViews.apply(anchor, sink, x[:])
+    assert stats.transfers == 2
+    (first + second).sum().backward()
+    assert {tuple(t.shape) for t in sink} == {(64, 64), (4096,)}
+    by_shape = {tuple(t.shape): t for t in sink}
+    assert torch.equal(by_shape[(64, 64)].reshape(-1), before) and torch.equal(by_shape[(4096,)], x)
+    del sink, by_shape, first, second
     assert_nothing_left(tmp_path)
