@@ -42,6 +42,7 @@ returns to the file system); a file that saw an I/O error is never reused.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import mmap
 import os
@@ -63,6 +64,9 @@ __all__ = ["DiskTarget", "MIN_FREE_BYTES", "MAX_IDLE_FILES", "MAX_IDLE_TOTAL", "
 MIN_FREE_BYTES = 64 << 20  # never fill the file system to the last byte
 _PAGE = 4096
 _CHUNK = 1 << 30  # largest single read/write call (Linux caps one call near 2 GiB)
+#: the synchronous path writes through the mapping (a memmove into the file's mapped pages) where the system can
+#: allocate a file's blocks ahead (``posix_fallocate``), and with ``pwrite`` elsewhere
+_MAPPED_WRITES = hasattr(os, "posix_fallocate")
 MAX_IDLE_FILES = 2  # per folder
 MAX_IDLE_TOTAL = 4  # all folders together
 _Folder = tuple[str, int, int]  # (real path, device, inode): a folder removed and made again is another folder
@@ -194,12 +198,14 @@ class DiskTarget:
         self._mapping: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._mapped = 0
+        self._base = 0  # the mapping's address (mapped writes)
         self._abandoned: list[weakref.ref] = []  # views of mappings let go of while tensors still held them
         idle = _take_idle(self._folder) if self._folder is not None else None
         if idle is not None:
             self._fd, self.reused, mapping = idle
             if mapping is not None:
                 self._mapping, self._view, self._mapped = mapping, memoryview(mapping), len(mapping)
+                self._base = _address(mapping)
         else:
             self._fd, self._path = self._create(folder)
             self.reused = 0
@@ -290,7 +296,12 @@ class DiskTarget:
         fd = self._fd_or_raise()
         if nbytes:
             try:
-                _pwrite_all(fd, address_bytes(address, nbytes), offset)
+                if _MAPPED_WRITES:
+                    if offset + nbytes > self._mapped:
+                        self._grow(fd, offset + nbytes)
+                    ctypes.memmove(self._base + offset, address, nbytes)
+                else:
+                    _pwrite_all(fd, address_bytes(address, nbytes), offset)
             except BaseException as error:
                 self._failed = True  # never reuse this file
                 if not isinstance(error, Exception):  # KeyboardInterrupt: never turned into an I/O error
@@ -317,6 +328,20 @@ class DiskTarget:
         count_storage(tensor)
         return with_flags(tensor, layout), None
 
+    def _grow(self, fd: int, end: int) -> None:
+        """Make the file hold at least ``end`` bytes, its blocks allocated (``posix_fallocate``: a write through
+        the mapping can then never meet a full disk, which would be a SIGBUS), growing it geometrically (at least
+        doubling, within the free space seen at entry) so that a step whose file grows maps it a few times, not
+        once per tensor; then map it."""
+        size = os.fstat(fd).st_size
+        if size < end:
+            target = max(end, 2 * size)
+            if self.free_bytes is not None:
+                target = max(end, min(target, self.reused + self.free_bytes - self.reserve))
+            target = -(-target // _PAGE) * _PAGE
+            os.posix_fallocate(fd, size, target - size)
+        self._map(fd, end)
+
     def _map(self, fd: int, end: int) -> None:
         """Map the whole file (it holds at least ``end`` bytes: they were written), in place of a shorter mapping;
         the old one is unmapped when the last tensor made from it dies (each holds a reference to it)."""
@@ -327,7 +352,7 @@ class DiskTarget:
         if self._release_view() and old is not None:
             old.close()
         self._mapping = mmap.mmap(fd, size)  # (shared, read-write: a tensor read back may be written in place)
-        self._view, self._mapped = memoryview(self._mapping), size
+        self._view, self._mapped, self._base = memoryview(self._mapping), size, _address(self._mapping)
 
     def _release_view(self) -> bool:
         """Let go of the mapping; return True when no tensor maps it (then it is still open, in ``_mapping``, for the
@@ -375,7 +400,7 @@ class DiskTarget:
             worker.close(FewBitError("offload file closed before the transfer ran"))
         if self._fd is not None:
             fd, self._fd = self._fd, None
-            size = max(self.reused, getattr(self, "end", 0))
+            size = max(self.reused, getattr(self, "end", 0), self._mapped)
             unmapped = self._release_view()  # False: a tensor still maps the file, which must not be overwritten
             mapping, self._mapping = self._mapping, None
             reusable = unmapped and not self._failed and self._path is None and self._folder is not None
@@ -385,6 +410,12 @@ class DiskTarget:
         if self._path is not None:
             _unlink_quietly(self._path)
             self._path = None
+
+
+def _address(mapping: mmap.mmap) -> int:
+    """The address of ``mapping``'s first byte (the ctypes object that exports it is dropped at once: the address
+    stays valid while the mapping is open)."""
+    return ctypes.addressof(ctypes.c_char.from_buffer(mapping))
 
 
 def _mib(nbytes: int) -> str:

@@ -93,6 +93,19 @@ def assert_nothing_left(directory, collect=True, freed_outside_backward=False):
     assert open_offload_files(directory) == []
 
 
+def break_writes(monkeypatch, code, message):
+    """Make every write to an offload file fail with ``OSError(code, message)``: ``pwrite`` (the job path, and the
+    synchronous path where the system has no ``posix_fallocate``) and the allocation of the file's blocks before
+    the synchronous path writes through the mapping (what fails there when the disk is full)."""
+
+    def broken(*args):
+        raise OSError(code, message)
+
+    monkeypatch.setattr(disk, "_pwrite_all", broken)
+    if hasattr(os, "posix_fallocate"):
+        monkeypatch.setattr(disk.os, "posix_fallocate", broken)
+
+
 def random_bytes_tensor(shape, dtype, generator):
     """A tensor of ``dtype`` whose bytes are random (NaNs, infinities, subnormals, any bool byte...)."""
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -297,10 +310,7 @@ def test_files_are_reused_across_steps(tmp_path, monkeypatch):
 
 
 def test_a_file_that_failed_is_not_reused(tmp_path, monkeypatch):
-    def broken(fd, data, offset):
-        raise OSError(errno.EIO, "Input/output error")
-
-    monkeypatch.setattr(disk, "_pwrite_all", broken)
+    break_writes(monkeypatch, errno.EIO, "Input/output error")
     x = torch.randn(4096, requires_grad=True)
     with pytest.raises(FewBitError, match="Input/output error"):
         with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path):
@@ -515,10 +525,7 @@ def test_write_error_is_one_clear_error_not_a_gradient(prefetch, tmp_path, monke
     computed from missing data. With writes behind (prefetch 2), a tensor whose write has not run yet is still
     in memory, so backward may also finish from memory, with the exact gradient."""
 
-    def broken(fd, data, offset):
-        raise OSError(errno.ENOSPC, "No space left on device")
-
-    monkeypatch.setattr(disk, "_pwrite_all", broken)
+    break_writes(monkeypatch, errno.ENOSPC, "No space left on device")
     x = torch.randn(4096, requires_grad=True)
     expected = torch.autograd.grad(torch.tanh(torch.tanh(x * 1)).sum(), x)[0]
     try:
@@ -538,6 +545,9 @@ def test_read_error_is_one_clear_error(tmp_path, monkeypatch):
     def broken(fd, size):  # (prefetch=0 maps the file to read: mapping it is what can fail)
         raise OSError(errno.EIO, "Input/output error")
 
+    # (where writes go through the mapping the file is mapped in forward, and a read cannot fail but by SIGBUS:
+    # the read that maps the file is that of systems without posix_fallocate, which write with pwrite)
+    monkeypatch.setattr(disk, "_MAPPED_WRITES", False)
     x = torch.randn(4096, requires_grad=True)
     with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path):
         loss = torch.tanh(torch.tanh(x * 1)).sum()
