@@ -152,3 +152,27 @@ def test_a_longer_file_is_mapped_again_while_tensors_hold_the_shorter_mapping(tm
     later = disk.DiskTarget(tmp_path)  # nothing maps a file now: a closed target's file is pooled again
     later.close()
     assert disk.idle_files() == 1
+
+
+@pytest.mark.skipif(not disk._MAPPED_WRITES, reason="writes through the mapping need posix_fallocate")
+def test_writes_go_through_the_mapping_and_the_file_is_mapped_a_few_times(tmp_path, no_read_copy, monkeypatch):
+    def refused(*args, **kwargs):
+        raise AssertionError("the synchronous path wrote with pwrite")
+
+    monkeypatch.setattr(disk, "_pwrite_all", refused)
+    maps = []
+    real_map = disk.DiskTarget._map
+    monkeypatch.setattr(disk.DiskTarget, "_map", lambda self, fd, end: maps.append(end) or real_map(self, fd, end))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.Tanh()) for _ in range(16)])
+    x = torch.randn(256, 64)
+    expected = torch.autograd.grad(model(x).square().sum(), list(model.parameters()))
+    with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
+        loss = model(x).square().sum()
+    got = torch.autograd.grad(loss, list(model.parameters()))
+    for a, b in zip(got, expected, strict=True):
+        assert torch.equal(a, b)
+    assert stats.transfers >= 16
+    assert len(maps) <= 1 + stats.transfers.bit_length()  # grown geometrically: a few mappings, not one a tensor
+    del loss
+    assert_nothing_left(tmp_path)
