@@ -1,7 +1,9 @@
 """What a synchronous disk offload costs per byte, by how tensors come back (issue 26): the offload file written with
 ``pwrite`` and read back with ``preadv`` into new tensors (the path before mapped reads), or read back as views of the
 mapped file (``torch.frombuffer``: mapped reads, the disk target's synchronous path), against copying the same bytes
-to and from memory (``Tensor.copy_`` into a buffer, ``clone`` back): the floor of any path that copies twice.
+to and from memory (``Tensor.copy_`` into a buffer, ``clone`` back): the floor of any path that copies twice; and
+written through the mapping too (``memmove`` into the mapped pages: the synchronous path where ``posix_fallocate``
+exists), read back as views.
 
 Each round writes ``--tensors`` tensors of ``--mib`` MiB at page-aligned offsets of one reused file (as a step reuses
 its pooled file) and reads them all back; the file's pages are in the page cache, as in training. Prints the median
@@ -13,6 +15,7 @@ of ``--repeats`` rounds per path, the ratio to the pread path measured in the sa
 from __future__ import annotations
 
 import argparse
+import ctypes
 import mmap
 import os
 import statistics
@@ -60,13 +63,25 @@ def main() -> None:
                 os.pwrite(fd, memoryview(source.numpy()).cast("B"), i * size)
             return [torch.frombuffer(view, dtype=torch.float32, count=size // 4, offset=i * size) for i in range(count)]
 
+        base = ctypes.addressof(ctypes.c_char.from_buffer(mapping))
+
+        def mapped_both() -> list[torch.Tensor]:
+            for i, source in enumerate(sources):
+                ctypes.memmove(base + i * size, source.data_ptr(), size)
+            return [torch.frombuffer(view, dtype=torch.float32, count=size // 4, offset=i * size) for i in range(count)]
+
         def memory_copies() -> list[torch.Tensor]:
             n = size // 4
             for i, source in enumerate(sources):
                 memory[i * n : (i + 1) * n].copy_(source)
             return [memory[i * n : (i + 1) * n].clone() for i in range(count)]
 
-        paths = {"pwrite + preadv": pread_path, "pwrite + mapped read": mapped_path, "memory copies": memory_copies}
+        paths = {
+            "pwrite + preadv": pread_path,
+            "pwrite + mapped read": mapped_path,
+            "mapped write and read": mapped_both,
+            "memory copies": memory_copies,
+        }
         times: dict[str, list[float]] = {name: [] for name in paths}
         for name, run in paths.items():  # warm: the file's pages and the allocator's
             for tensor, source in zip(run(), sources, strict=True):
