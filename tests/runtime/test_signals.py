@@ -12,6 +12,12 @@ than starting Python and torch again). The child trains; the driver waits for it
 delay, sends SIGINT and waits at most 5 s for the child to exit (a bound on a hang, not a timing claim). The child
 catches the KeyboardInterrupt at the top of its loop, drops the training state, looks for what was left behind and
 writes a report; the delays are printed on failure.
+
+One loss is torch's, not ours: ``torch.utils.checkpoint`` (non-reentrant, what the checkpoint technique runs) keeps
+its recomputed tensors in ``weakref.WeakKeyDictionary`` objects, whose removal callbacks are Python, so an interrupt
+that lands in one is printed as "Exception ignored" and lost (seen once in a full suite run, session 7). A try that
+hangs with only such a loss (the lost traceback is in ``WeakKeyDictionary``'s callback and names no file of this
+project) is tried again, at most twice; a loss in this project's code still fails.
 """
 
 import json
@@ -222,13 +228,17 @@ def test_sigint_at_random_moments_stops_training_and_leaves_nothing(tmp_path):
         pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": sink}
         driver = subprocess.Popen([sys.executable, "-c", DRIVER], text=True, env=env, **pipes)
     failures = []
+    third_party = []  # the stderr segments of tries lost in torch's weak-key callbacks, tried again
     try:
         for technique, tries in TRIES.items():
-            for attempt in range(tries):
+            attempts = [f"{attempt}" for attempt in range(tries)]
+            while attempts:
+                attempt = attempts.pop(0)
                 folder = tmp_path / f"{technique}-{attempt}"
                 folder.mkdir()
                 report = tmp_path / f"{technique}-{attempt}.json"
                 delay = rng.uniform(*DELAYS)
+                seen = len(stderr.read_text())
                 driver.stdin.write(f"{technique} {folder} {report} {delay:.4f}\n")
                 driver.stdin.flush()
                 answer = driver.stdout.readline()
@@ -252,12 +262,47 @@ def test_sigint_at_random_moments_stops_training_and_leaves_nothing(tmp_path):
                     problems.append(f"child processes: {result['children']}")
                 if result.get("pinned_lent"):
                     problems.append(f"{result['pinned_lent']} bytes of pinned buffers still lent")
+                segment = stderr.read_text()[seen:]
+                if problems and outcome["exit"] == "hung" and _lost_in_torch_weak_keys(segment):
+                    if attempt.count("again") < 2:
+                        third_party.append(segment)
+                        attempts.insert(0, f"{attempt}-again")
+                        continue
                 if problems:
                     failures.append(f"{technique} (SIGINT {delay:.3f} s after warm-up): {'; '.join(problems)}")
     finally:
         driver.stdin.close()
         driver.wait(timeout=60)
     errors = stderr.read_text()
+    for segment in third_party:
+        errors = errors.replace(segment, "", 1)
     lost = [line for line in errors.splitlines() if "Exception ignored" in line]
     assert not failures, "\n".join(failures) + ("\n" + errors[-4000:] if errors else "")
     assert not lost, errors[-4000:]  # an interrupt printed and dropped (it landed in a __del__ or a finalizer)
+
+
+def _lost_in_torch_weak_keys(segment: str) -> bool:
+    """Whether every interrupt lost in ``segment`` (a try's stderr) was lost in a ``WeakKeyDictionary`` removal
+    callback (torch's checkpoint keeps its recomputed tensors in those) with no frame of this project."""
+    blocks = segment.split("Exception ignored")[1:]
+    return bool(blocks) and all(
+        block.lstrip().startswith("in: <function WeakKeyDictionary") and "fewbit_design" not in block
+        for block in blocks
+    )
+
+
+def test_only_losses_in_torchs_weak_key_callbacks_are_tried_again():
+    torch_loss = (  # (the traceback seen in session 7, with torch's non-reentrant checkpoint)
+        "Exception ignored in: <function WeakKeyDictionary.__init__.<locals>.remove at 0x7f400dfca520>\n"
+        "Traceback (most recent call last):\n"
+        '  File "/usr/lib/python3.11/weakref.py", line 369, in remove\n'
+        "    def remove(k, selfref=ref(self)):\n\nKeyboardInterrupt: \n"
+    )
+    ours = (
+        "Exception ignored in: <function Session.__del__ at 0x7f00>\n"
+        '  File "/x/fewbit_design/runtime/offload/session.py", line 1, in __del__\nKeyboardInterrupt: \n'
+    )
+    assert _lost_in_torch_weak_keys(torch_loss)
+    assert not _lost_in_torch_weak_keys(ours)
+    assert not _lost_in_torch_weak_keys(torch_loss + ours)
+    assert not _lost_in_torch_weak_keys("")  # (a hang with nothing lost is a failure, not torch's)
