@@ -295,12 +295,17 @@ class Session:
             self._release_freed_records()
         if self._inflight:
             self._reap()
-        if not self._eligible(tensor):
+        if type(tensor) is not torch.Tensor:  # (see _eligible: only exact tensors go on)
             return tensor
         try:  # (an exact tensor here: no DTensor wrapper, see storage_pointer)
-            pointer = tensor.untyped_storage().data_ptr()
+            storage = tensor.untyped_storage()
         except (RuntimeError, NotImplementedError):  # (functorch wrappers, fakes: no storage)
             return tensor
+        if storage.nbytes() < self.min_bytes:  # (its span is no larger: left in place, as most saved tensors are,
+            return tensor  # before the checks below, which cost a few us each: hundreds of calls a step)
+        if not self._eligible(tensor):
+            return tensor
+        pointer = storage.data_ptr()
         if pointer in self.exclude:
             return tensor
         layout = describe(tensor)
