@@ -361,20 +361,31 @@ class Session:
         whole = storage.nbytes()
         if whole <= 2 * layout.nbytes and whole % layout.itemsize == 0:
             return self._pack_storage(tensor, storage, whole, layout, key, target)
-        location, error = target.write_now(tensor.data_ptr(), layout.nbytes)
-        if location is None:  # the target is full (max_host_bytes): the tensor stays where it is
-            self._count_in_stats("kept_tensors", "kept_bytes", layout.nbytes)
+        written = self._write_now(target, tensor.data_ptr(), layout, layout.nbytes)
+        if written is None:  # the target is full (max_host_bytes): the tensor stays where it is
             return tensor
+        self._remember(key, tensor, written[1])
+        return written[0]
+
+    def _write_now(
+        self, target: Any, address: int, layout: Layout, saved_bytes: int
+    ) -> tuple[_Record, _RecordRef] | None:
+        """Write ``layout.nbytes`` bytes at ``address`` to ``target`` now, as a new record of ``layout`` (its
+        position taken, the transfer counted); None when the target is full (``saved_bytes`` counted as kept). A
+        failed write closes the session and raises."""
+        location, error = target.write_now(address, layout.nbytes)
+        if location is None:
+            self._count_in_stats("kept_tensors", "kept_bytes", saved_bytes)
+            return None
         record = _Record(self._count, target, layout)
         record.location = location
         ref = self._register(record, inflight=False)
-        self._remember(key, tensor, ref)
         self._count_transfer(layout.nbytes, layout.nbytes, 1)
         if error is not None:  # (what _reap does with a failed write job)
             record.poisoned = target.describe_error(error, f"writing {layout.nbytes} bytes")
             self.close(record.poisoned + "; the step's saved tensors are lost")
             raise FewBitError(record.poisoned + "; the step's saved tensors are lost")
-        return record
+        return record, ref
 
     def _pack_storage(
         self, tensor: torch.Tensor, storage: torch.UntypedStorage, whole: int, layout: Layout, key: tuple, target: Any
@@ -394,21 +405,13 @@ class Session:
             base = _LAYOUTS.setdefault(
                 (count, layout.dtype), Layout((count,), (1,), layout.dtype, count, layout.itemsize)
             )
-        location, error = target.write_now(key[0], whole)
-        if location is None:  # the target is full (max_host_bytes): the tensor stays where it is
-            self._count_in_stats("kept_tensors", "kept_bytes", layout.nbytes)
+        written = self._write_now(target, key[0], base, layout.nbytes)
+        if written is None:  # the target is full (max_host_bytes): the tensor stays where it is
             return tensor
-        record = _Record(self._count, target, base)
-        record.location = location
-        ref = self._register(record, inflight=False)
+        record, ref = written
         if len(self._stored) > 2 * len(self._records) + 64:
             self._stored = {k: v for k, v in self._stored.items() if v[0]() is not None and v[1]() is not None}
         self._stored[stored_key] = (weakref.ref(storage), ref)
-        self._count_transfer(whole, whole, 1)
-        if error is not None:  # (what _reap does with a failed write job)
-            record.poisoned = target.describe_error(error, f"writing {whole} bytes")
-            self.close(record.poisoned + "; the step's saved tensors are lost")
-            raise FewBitError(record.poisoned + "; the step's saved tensors are lost")
         return _View(record, tensor.storage_offset(), layout)
 
     def _register(self, record: _Record, *, inflight: bool = True) -> _RecordRef:

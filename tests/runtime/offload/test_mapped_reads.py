@@ -14,13 +14,6 @@ from fewbit_design.runtime.offload import disk
 from fewbit_design.runtime.offload.layout import describe, empty, host_bytes, with_flags
 
 
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
-
-
 @pytest.fixture
 def no_read_copy(monkeypatch):
     def refused(*args, **kwargs):

@@ -46,14 +46,6 @@ DTYPES = [
 
 
 # -- helpers ----------------------------------------------------------------------------------------------------
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    """Each test starts and ends with no idle step files (they are kept per folder, and each test has its own)."""
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
-
-
 def offload_threads():
     return [t for t in threading.enumerate() if t.name.startswith("fewbit-offload")]
 

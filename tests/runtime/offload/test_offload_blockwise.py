@@ -14,13 +14,6 @@ from fewbit_design.runtime import offload
 from fewbit_design.runtime.offload import session as session_module
 
 
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
-
-
 def _model(blocks=4, width=64):
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(width, width), nn.Tanh()) for _ in range(blocks)])

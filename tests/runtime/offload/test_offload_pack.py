@@ -23,13 +23,6 @@ from fewbit_design.runtime.offload.session import Session, Staging
 PACK = {"min_bytes": 0, "pack_bytes": 1 << 20}
 
 
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
-
-
 class SaveMany(torch.autograd.Function):
     """Saves every tensor given for backward and hands what backward unpacked to ``sink``."""
 

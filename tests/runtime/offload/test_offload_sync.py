@@ -16,18 +16,12 @@ from test_offload import (  # the disk tests' probes (tests/ is on sys.path unde
     random_bytes_tensor,
     round_trip,
 )
+from test_offload_pack import SaveMany
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import offload
 from fewbit_design.runtime.offload import disk, region, session
 from fewbit_design.runtime.offload.layout import describe
-
-
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
 
 
 @pytest.fixture
@@ -184,21 +178,6 @@ def test_hooks_are_guarded_without_a_dynamo_disable_per_region(tmp_path, monkeyp
     assert_nothing_left(tmp_path)
 
 
-class SaveViews(torch.autograd.Function):
-    """Saves the given tensors for backward and hands what backward unpacked to ``sink``."""
-
-    @staticmethod
-    def forward(ctx, anchor, sink, *tensors):
-        ctx.save_for_backward(*tensors)
-        ctx.sink = sink
-        return anchor.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        ctx.sink.extend(ctx.saved_tensors)
-        return grad, None, *(None for _ in ctx.saved_tensors)
-
-
 def test_views_of_one_storage_are_written_once_and_come_back_as_views_of_one_storage(tmp_path, no_job_path):
     """GPT-2's attention saves its query, key and value: three views of one projection's output, each spanning
     almost all of it; a linear's input is saved as (batch, sequence, width) and as (batch * sequence, width)."""
@@ -208,7 +187,7 @@ def test_views_of_one_storage_are_written_once_and_come_back_as_views_of_one_sto
     sink = []
     anchor = torch.zeros(1, requires_grad=True)
     with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
-        out = SaveViews.apply(anchor, sink, *views)
+        out = SaveMany.apply(anchor, sink, *views)
     assert stats.transfers == 1 and stats.bytes == qkv.untyped_storage().nbytes()  # one storage, written once
     out.sum().backward()
     assert len(sink) == len(views)
@@ -225,10 +204,10 @@ def test_a_storage_modified_in_place_between_saves_is_written_again(tmp_path, no
     sink = []
     anchor = torch.zeros(1, requires_grad=True)
     with offload.saved_tensors(target="disk", min_bytes=0, prefetch=0, directory=tmp_path) as stats:
-        first = SaveViews.apply(anchor, sink, x.view(64, 64))
+        first = SaveMany.apply(anchor, sink, x.view(64, 64))
         before = x.clone()
         x.add_(1)  # a new version: the next view of it is another record
-        second = SaveViews.apply(anchor, sink, x[:])
+        second = SaveMany.apply(anchor, sink, x[:])
     assert stats.transfers == 2
     (first + second).sum().backward()
     assert {tuple(t.shape) for t in sink} == {(64, 64), (4096,)}

@@ -2,20 +2,12 @@
 
 import time
 
-import pytest
 import torch
 from test_offload import assert_nothing_left  # the disk tests' probes (tests/ is on sys.path under pytest)
 from torch import nn
 
 from fewbit_design.runtime import offload
 from fewbit_design.runtime.offload import worker
-
-
-@pytest.fixture(autouse=True)
-def _release_idle_files():
-    offload.empty_cache()
-    yield
-    offload.empty_cache()
 
 
 class Pause(nn.Module):
