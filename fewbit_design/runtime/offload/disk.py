@@ -11,9 +11,12 @@ watch that thread).
 
 **Mapped reads** (the synchronous path, ``prefetch=0``, the planner's setting): a tensor read back is not copied out
 of the page cache but mapped: the file is mapped into memory (``mmap``, shared, read-write) and the restored tensor
-is a view of the file's bytes at its offset (``torch.frombuffer``), so a step copies its offloaded bytes once (in
-``pwrite``) instead of twice: ``python benchmarks/offload_io.py`` (64 tensors of 1 MiB written and read back, 2-core
-development machine) measured 0.51-0.52x the time of ``pwrite`` + ``preadv`` (7.8 against 15.0 ms). Such a tensor
+is a view of the file's bytes at its offset (``torch.frombuffer``), so a step copies its offloaded bytes once
+instead of twice. **Mapped writes**: where the system has ``posix_fallocate``, that one copy is a ``memmove`` into the
+mapped pages (no system call per tensor), the file's blocks allocated ahead (so a full disk is an error of the
+allocation, never a SIGBUS at a write) and the file grown geometrically; ``pwrite`` elsewhere. ``python
+benchmarks/offload_io.py`` (64 tensors of 1 MiB written and read back, 2-core development machine): 0.52x the time
+of ``pwrite`` + ``preadv`` with mapped reads, 0.44x with mapped writes too. Such a tensor
 holds the file's pages, not memory of torch's allocator: :func:`..memory.count_storage` makes ``memory.peak`` count
 its bytes as it counts any new tensor (so a plan's predicted and measured peaks are unchanged), and the process's RSS
 includes the mapped pages (file-backed pages the kernel may write back and drop under memory pressure, as it may the
@@ -193,8 +196,8 @@ class DiskTarget:
         self._fd: int | None = None
         # the reserve (see the module docstring): what a capped step may write, when that is below MIN_FREE_BYTES
         self.reserve = MIN_FREE_BYTES if capacity is None else min(MIN_FREE_BYTES, -(-capacity // _PAGE) * _PAGE)
-        # the file mapped for reads (see "Mapped reads"): the mapping, the memoryview the read tensors are made
-        # from (each holds a reference to it: its reference count says whether any is alive), the bytes mapped
+        # the mapped file (see "Mapped reads"): the mapping, the memoryview the read tensors are made from (each
+        # holds a reference to it: a weak reference to it says whether any is alive), the bytes mapped
         self._mapping: mmap.mmap | None = None
         self._view: memoryview | None = None
         self._mapped = 0
