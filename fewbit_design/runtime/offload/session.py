@@ -50,7 +50,7 @@ import torch
 
 from ...errors import FewBitError
 from . import schedule
-from .layout import Layout, describe, raw_bytes, restore, with_flags
+from .layout import _MAX_LAYOUTS, Layout, describe, raw_bytes, restore, with_flags
 from .records import Stats, _Member, _Pack, _Record, _RecordRef, _View
 from .staging import Staging
 
@@ -402,6 +402,8 @@ class Session:
         count = whole // layout.itemsize
         base = _LAYOUTS.get((count, layout.dtype))
         if base is None:
+            if len(_LAYOUTS) >= _MAX_LAYOUTS:  # (sizes that change every step never grow it without bound)
+                _LAYOUTS.clear()
             base = _LAYOUTS.setdefault(
                 (count, layout.dtype), Layout((count,), (1,), layout.dtype, count, layout.itemsize)
             )
