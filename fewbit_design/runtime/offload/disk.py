@@ -323,7 +323,7 @@ class DiskTarget:
         if offset + nbytes > self._mapped:
             try:
                 self._map(fd, offset + nbytes)
-            except (OSError, ValueError) as error:  # noqa: BLE001 - described by the caller, as a read job's error
+            except (OSError, ValueError) as error:  # (described by the caller, as a read job's error)
                 return None, error
         tensor = torch.frombuffer(self._view, dtype=layout.dtype, count=layout.span, offset=offset)
         if layout.size != (layout.span,) or layout.stride != (1,):

@@ -7,7 +7,7 @@ conjugate/negative bits at storage offset 0 of a fresh storage, so autograd sees
 bit (a zero-size tensor moves no bytes). Needs torch; imports nothing else from the project.
 
 The synchronous disk path (issue 26: a step offloads hundreds of tensors, and the hooks' Python was most of the
-cost) moves the bytes without a torch view: :func:`host_bytes` is a ``memoryview`` of a CPU tensor's span at its
+cost) moves the bytes without a torch view: :func:`address_bytes` is a ``memoryview`` of a CPU tensor's span at its
 address, and :func:`empty` allocates the restored tensor itself (sizes, strides, dtype; its storage is exactly the
 span), so a read goes straight into it. Layouts are cached per (sizes, strides, dtype, flags).
 """
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Layout", "describe", "raw_bytes", "restore", "empty", "with_flags", "host_bytes", "address_bytes"]
+__all__ = ["Layout", "describe", "raw_bytes", "restore", "empty", "with_flags", "address_bytes"]
 
 
 @dataclass(frozen=True)
@@ -95,18 +95,10 @@ def with_flags(tensor: torch.Tensor, layout: Layout) -> torch.Tensor:
 _CHARS: dict[int, type] = {}  # byte count -> ctypes array type (a model saves a few dozen distinct sizes)
 
 
-def host_bytes(tensor: torch.Tensor, nbytes: int) -> memoryview:
-    """A writable ``memoryview`` of the ``nbytes`` bytes of a CPU tensor's storage span, from its first element.
-
-    No torch view is made (no dispatch, no autograd): the view does NOT keep the storage alive, so it is only for a
-    call that ends while the caller holds ``tensor`` (a synchronous ``os.pwrite``/``os.preadv``). ``nbytes`` > 0."""
-    assert tensor.is_cpu and nbytes > 0, (tensor.device, nbytes)
-    return address_bytes(tensor.data_ptr(), nbytes)
-
-
 def address_bytes(address: int, nbytes: int) -> memoryview:
-    """A writable ``memoryview`` of ``nbytes`` bytes of host memory at ``address`` (> 0 bytes; as
-    :func:`host_bytes`, it keeps nothing alive)."""
+    """A writable ``memoryview`` of ``nbytes`` (> 0) bytes of host memory at ``address`` (a CPU tensor's
+    ``data_ptr()``). No torch view is made and nothing is kept alive: only for a call that ends while the caller
+    holds the memory (a synchronous ``os.pwrite``/``os.preadv``)."""
     chars = _CHARS.get(nbytes)
     if chars is None:
         if len(_CHARS) >= _MAX_LAYOUTS:

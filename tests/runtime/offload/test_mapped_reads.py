@@ -11,7 +11,7 @@ from test_offload import assert_nothing_left, assert_same_tensor, open_offload_f
 
 from fewbit_design.runtime import memory, offload
 from fewbit_design.runtime.offload import disk
-from fewbit_design.runtime.offload.layout import describe, empty, host_bytes, with_flags
+from fewbit_design.runtime.offload.layout import address_bytes, describe, empty, with_flags
 
 
 @pytest.fixture
@@ -41,7 +41,7 @@ def reference_read_now(self, offset, layout):
     """The read this path replaced: a new tensor of the layout, allocated through the dispatcher, filled by preadv."""
     tensor = empty(layout)
     if layout.nbytes:
-        os.preadv(self._fd, [host_bytes(tensor, layout.nbytes)], offset)
+        os.preadv(self._fd, [address_bytes(tensor.data_ptr(), layout.nbytes)], offset)
     return with_flags(tensor, layout), None
 
 
