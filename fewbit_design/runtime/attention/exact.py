@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from .ops import _native_picks_flash, _repeat
+from .ops import _native_picks_flash, _repeat, flash_gradients_like, flash_layout
 
 __all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
 
@@ -34,17 +34,18 @@ RECIPE = "fewbit_recipe"
 
 
 class ValueLinear(torch.nn.Linear):
-    """``nn.Linear`` (same parameters, same state dict) that also leaves ``(input, output)`` of its forward on itself
-    for the attention core of its module to take (:func:`take_recipe`); nothing else changes."""
+    """``nn.Linear`` (same parameters, same state dict) that also leaves ``(input, output, output's version)`` of its
+    forward on itself for the attention core of its module to take (:func:`take_recipe`); nothing else changes."""
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         output = torch.nn.functional.linear(input, self.weight, self.bias)
-        setattr(self, RECIPE, (input, output))
+        setattr(self, RECIPE, (input, output, 0 if torch.compiler.is_compiling() else output._version))
         return output
 
 
-def take_recipe(projection: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """The (input, output) a :class:`ValueLinear` left, removed from it (so no tensor outlives the forward)."""
+def take_recipe(projection: torch.nn.Module | None) -> tuple[torch.Tensor, torch.Tensor, int] | None:
+    """The (input, output, version) a :class:`ValueLinear` left, removed from it (so no tensor outlives the
+    forward)."""
     recipe = getattr(projection, RECIPE, None)
     if recipe is not None:
         setattr(projection, RECIPE, None)
@@ -89,8 +90,7 @@ def _(q, k, v, x, weight, bias, mask, scale, is_causal, repeat):
     # the CPU kernel's layouts: the output follows q's, here (B, S, H, D) memory order; the log-sum-exp is (B, S, H)
     # transposed
     log_sum_exp = q.new_empty((batch, length, heads), dtype=torch.float32).transpose(1, 2)
-    output = q.new_empty((batch, length, heads, q.shape[-1])).transpose(1, 2)
-    return output, log_sum_exp
+    return flash_layout(q, q.shape), log_sum_exp
 
 
 @torch.library.custom_op("fewbit::value_recompute_attention_backward", mutates_args=())
@@ -134,7 +134,7 @@ def _attention_backward(
 
 @_attention_backward.register_fake
 def _(grad, q, k, x, weight, bias, output, log_sum_exp, mask, v_size, v_stride, v_offset, scale, is_causal, repeat):
-    return torch.empty_like(q), torch.empty_like(k), k.new_empty(v_size)
+    return flash_gradients_like(grad, list(q.shape), list(k.shape), v_size)
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -156,13 +156,25 @@ def _backward(ctx, grad: torch.Tensor, _grad_log_sum_exp: torch.Tensor | None):
 _attention.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _views(v: torch.Tensor, projected: torch.Tensor) -> bool:
-    """Whether ``v`` is a view of ``projected`` whose strides and offset hold for a recomputed ``projected`` (eager;
-    a linear's 3-D output may itself be a view of a 2-D product, so storages are compared, not bases)."""
+def _views(v: torch.Tensor, projected: torch.Tensor, version: int) -> bool:
+    """Whether ``v`` is a view of ``projected`` whose size, strides and offset hold for a recomputed ``projected``.
+
+    A linear's 3-D output may itself be a view of a 2-D product, so ``v``'s base is compared with ``projected``'s
+    root; the root must be laid out as ``projected`` (both contiguous with the same elements, so the same bytes from
+    the root's start), which is how a fresh ``linear`` lays out its output. Views are known by their ``_base``,
+    which eager autograd and the fake tensors of ``torch.compile`` both track (a copy such as a KV cache's
+    ``torch.cat`` has none). In eager, the version counter (``version``: the projection output's when it was made)
+    also says whether anything wrote into the storage since; under ``torch.compile`` the counter is runtime state
+    that Dynamo cannot compare without breaking the graph, so an in-place write into v between its projection and
+    the attention core (which no supported model makes) is seen in eager only. Every test made under compile is one
+    Dynamo traces (``storage_offset()`` is not: it would break the graph at every layer)."""
+    root = projected if projected._base is None else projected._base
     return (
-        projected.is_contiguous()
-        and projected.storage_offset() == 0
-        and v.untyped_storage().data_ptr() == projected.untyped_storage().data_ptr()
+        v._base is root
+        and root.is_contiguous()
+        and projected.is_contiguous()
+        and projected.numel() == root.numel()
+        and (torch.compiler.is_compiling() or v._version == version)
     )
 
 
@@ -187,15 +199,15 @@ def value_recompute_attention(
     Args:
         q, k, v: (B, H, S, D), (B, H_kv, S, D), (B, H_kv, S, D)
         mask: SDPA's mask or None
-        recipe: (x, projection(x)) from :func:`take_recipe`
+        recipe: (x, projection(x), its version) from :func:`take_recipe`
         projection: the linear whose weight and bias made v
     """
     if recipe is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
         return None
     if mask is not None and mask.requires_grad:
         return None
-    x, projected = recipe
-    if not torch.compiler.is_compiling() and not _views(v, projected):
+    x, projected, version = recipe
+    if not _views(v, projected, version):
         return None
     if v.dtype != projected.dtype or v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
         return None

@@ -56,6 +56,28 @@ def _repeat(x: torch.Tensor, repeat: int) -> torch.Tensor:
     return x[:, :, None, :, :].expand(batch, heads, repeat, length, dim).reshape(batch, heads * repeat, length, dim)
 
 
+def flash_layout(like: torch.Tensor, shape: tuple[int, ...] | list[int]) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor like ``like`` laid out as the CPU flash kernel lays out its outputs and
+    gradients: (B, S, H, D) in memory, transposed (fake kernels say so)."""
+    batch, heads, length, dim = shape
+    return like.new_empty((batch, length, heads, dim)).transpose(1, 2)
+
+
+def to_flash_layout(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (B, H, S, D) in :func:`flash_layout`'s layout: itself when it is laid out so, else a copy."""
+    return tensor.transpose(1, 2).contiguous().transpose(1, 2)
+
+
+def flash_gradients_like(
+    grad: torch.Tensor, q_shape: list[int], k_shape: list[int], v_shape: list[int]
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Empty (dq, dk, dv) as the CPU flash backward (then the sum over each group's query heads, which is
+    contiguous, for grouped k and v) gives them: the fake of every op whose backward runs that kernel."""
+    summed = q_shape[1] != k_shape[1]
+    key, value = (grad.new_empty(shape) if summed else flash_layout(grad, shape) for shape in (k_shape, v_shape))
+    return flash_layout(grad, q_shape), key, value
+
+
 def native_attention(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -175,7 +197,10 @@ def _compressed_attention_impl(
     bits: int,
     group_size: int,
 ) -> torch.Tensor:
-    return native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa)
+    # in the CPU flash kernel's layout whichever kernel ran (its output follows q's; the math kernel's is
+    # contiguous), so that the fake kernel can say it: free for Hugging Face's q, which is laid out so, and for the
+    # ``transpose(1, 2).contiguous()`` Hugging Face applies to the output
+    return to_flash_layout(native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa))
 
 
 _compressed_attention = torch.library.custom_op("fewbit::compressed_attention", mutates_args=())(
@@ -185,7 +210,8 @@ _compressed_attention = torch.library.custom_op("fewbit::compressed_attention", 
 
 @_compressed_attention.register_fake
 def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size):
-    return q.new_empty(q.shape[:-1] + (v.shape[-1],))
+    batch, heads, length, _ = q.shape
+    return flash_layout(q, (batch, heads, length, v.shape[-1]))
 
 
 def _compressed_attention_backward_impl(
@@ -204,9 +230,14 @@ def _compressed_attention_backward_impl(
         dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
         for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
     ]
-    if mask is None and grad.dtype == torch.float32 and grad.device.type == "cpu":
+    if _takes_flash_backward(grad, mask):
         return attention_backward_flash(grad, *decoded, scale, is_causal)
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)
+
+
+def _takes_flash_backward(grad: torch.Tensor, mask: torch.Tensor | None) -> bool:
+    """Whether the compressed backward runs :func:`attention_backward_flash` (else the reference)."""
+    return mask is None and grad.dtype == torch.float32 and grad.device.type == "cpu"
 
 
 def attention_backward_flash(
@@ -249,6 +280,8 @@ _compressed_attention_backward = torch.library.custom_op("fewbit::compressed_att
 
 @_compressed_attention_backward.register_fake
 def _(grad, mask, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size):
+    if _takes_flash_backward(grad, mask):
+        return flash_gradients_like(grad, q_shape, k_shape, v_shape)
     return tuple(grad.new_empty(shape) for shape in (q_shape, k_shape, v_shape))
 
 
@@ -324,7 +357,7 @@ _flash_attention = torch.library.custom_op("fewbit::compressed_attention_flash",
 def _(q, k, v, codes, seed, scale, is_causal, repeat, bits, group_size, output_bits, output_group_size, stochastic):
     batch, heads, length, dim = q.shape[0], q.shape[1], q.shape[2], v.shape[-1]
     # the CPU kernel's layouts: the output (B, S, H, D_v) and the log-sum-exp (B, S, H) in memory, both transposed
-    output = q.new_empty((batch, length, heads, dim)).transpose(1, 2)
+    output = flash_layout(q, (batch, heads, length, dim))
     log_sum_exp = q.new_empty((batch, length, heads), dtype=torch.float32).transpose(1, 2)
     groups = (heads * dim + output_group_size - 1) // output_group_size
     packed = q.new_empty(((batch * length * heads * dim + 7) // 8) * output_bits, dtype=torch.uint8)
@@ -368,13 +401,7 @@ _flash_attention_backward = torch.library.custom_op("fewbit::compressed_attentio
 
 @_flash_attention_backward.register_fake
 def _(grad, log_sum_exp, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size, *output_options):
-    # the CPU flash backward's layouts: (B, S, H, D) in memory, transposed; the sum over query heads is contiguous
-    def like_kernel(shape, summed):
-        batch, heads, length, dim = shape
-        return grad.new_empty(shape) if summed else grad.new_empty((batch, length, heads, dim)).transpose(1, 2)
-
-    summed = q_shape[1] != k_shape[1]
-    return like_kernel(q_shape, False), like_kernel(k_shape, summed), like_kernel(v_shape, summed)
+    return flash_gradients_like(grad, q_shape, k_shape, v_shape)
 
 
 def _flash_setup_context(ctx, inputs, output) -> None:

@@ -124,19 +124,28 @@ def test_default_convert_llama_block_at_most_0_70_of_compiled_native():
 
 
 def test_not_a_view_of_the_projection_runs_native():
-    """v must be a view of what the projection returned (eager checks the base): anything else (here v changed after
-    the projection) goes to native SDPA, which keeps v."""
+    """v must be a view of what the projection returned, unchanged since (eager checks the base and the version):
+    anything else goes to native SDPA, which keeps v. A copy of the view (a KV cache's ``torch.cat``) has the
+    values but not the layout the op would rebuild v with."""
     projection = torch.nn.Linear(16, 16)
     x = torch.randn(1, 5, 16, requires_grad=True)
     q, k = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(2))
     projected = projection(x)
+    recipe = (x, projected, projected._version)
     view = projected.view(1, 5, 2, 8).transpose(1, 2)
     options = dict(scale=None, is_causal=True, kv_repeat=1, enable_gqa=False)
-    assert value_recompute_attention(q, k, view, None, (x, projected), projection, **options) is not None
-    assert value_recompute_attention(q, k, view * 1.0, None, (x, projected), projection, **options) is None
+    assert value_recompute_attention(q, k, view, None, recipe, projection, **options) is not None
+    assert value_recompute_attention(q, k, view * 1.0, None, recipe, projection, **options) is None
+    cached = torch.cat([torch.tensor([]), view], dim=-2)  # DynamicLayer.update's first call
+    assert value_recompute_attention(q, k, cached, None, recipe, projection, **options) is None
     assert value_recompute_attention(q, k, view, None, None, projection, **options) is None
     with torch.no_grad():
-        assert value_recompute_attention(q, k, view, None, (x, projected), projection, **options) is None
+        assert value_recompute_attention(q, k, view, None, recipe, projection, **options) is None
+    changed = projection(x)
+    changed_view = changed.view(1, 5, 2, 8).transpose(1, 2)
+    recipe = (x, changed, changed._version)
+    changed_view.mul_(2.0)  # written in place after the projection: rebuilding v would give the old values
+    assert value_recompute_attention(q, k, changed_view, None, recipe, projection, **options) is None
 
 
 def test_model_without_a_value_projection_is_left_with_the_reason():
@@ -147,13 +156,27 @@ def test_model_without_a_value_projection_is_left_with_the_reason():
     assert "no value projection (v_proj / qkv_proj, a torch.nn.Linear)" in str(model.attention_report)
 
 
-def test_opcheck():
-    x = torch.randn(2, 6, 16, requires_grad=True)
-    weight, bias = torch.randn(8, 16, requires_grad=True), torch.randn(8, requires_grad=True)
-    v = torch.nn.functional.linear(x, weight, bias).detach().view(2, 6, 1, 8).transpose(1, 2).requires_grad_()
-    q, k = torch.randn(2, 2, 6, 8, requires_grad=True), torch.randn(2, 1, 6, 8, requires_grad=True)
+@pytest.mark.parametrize("repeat", [1, 2])
+def test_opcheck(repeat):
+    """Both ops, with q, k, v laid out as Hugging Face hands them over (a projection's output viewed heads-last); the
+    backward's fake kernel gives the real gradients' strides (heads-last from the flash backward, contiguous where
+    summed over a group), which inductor asserts."""
+    kv_heads = 2 // repeat
+    x = torch.randn(2, 6, 8 * kv_heads, requires_grad=True)
+    weight = torch.randn(8 * kv_heads, 8 * kv_heads, requires_grad=True)
+    bias = torch.randn(8 * kv_heads, requires_grad=True)
+    projected = torch.nn.functional.linear(x, weight, bias).detach()
+    v = projected.view(2, 6, kv_heads, 8).transpose(1, 2).requires_grad_()
+    q = torch.randn(2, 6, 2, 8).transpose(1, 2).requires_grad_()
+    k = torch.randn(2, 6, kv_heads, 8).transpose(1, 2).requires_grad_()
     mask = torch.ones(6, 6, dtype=torch.bool).tril()
     for m in (None, mask):
+        arguments = (q, k, v, x, weight, bias, m, None, m is None, repeat)
+        torch.library.opcheck(torch.ops.fewbit.value_recompute_attention.default, arguments)
+        output, log_sum_exp = torch.ops.fewbit.value_recompute_attention(*arguments)
+        view = (list(v.size()), list(v.stride()), v.storage_offset())
+        saved = (t.detach() for t in (q, k, x, weight, bias, output, log_sum_exp))  # a backward is not differentiated
         torch.library.opcheck(
-            torch.ops.fewbit.value_recompute_attention.default, (q, k, v, x, weight, bias, m, None, m is None, 2)
+            torch.ops.fewbit.value_recompute_attention_backward.default,
+            (torch.randn_like(output), *saved, m, *view, None, m is None, repeat),
         )

@@ -110,16 +110,31 @@ def test_no_grad_is_the_native_call():
     assert output.grad_fn is None and saved.total == 0
 
 
-def test_opcheck():
-    q, k, v, mask, grad = _inputs(2, "bool")
+def _heads_last(tensor):
+    """The same values laid out (B, S, H, D) in memory: how Hugging Face's q, k, v reach the core (a projection's
+    output viewed and transposed), and how the CPU flash kernel lays out its output and gradients."""
+    return tensor.detach().transpose(1, 2).contiguous().transpose(1, 2).requires_grad_()
+
+
+@pytest.mark.parametrize("layout", ["contiguous", "heads-last"])
+@pytest.mark.parametrize("kv_repeat, mask_kind", [(2, "bool"), (2, None), (1, None), (1, "float")])
+def test_opcheck(kv_repeat, mask_kind, layout):
+    """The fake kernels give the real kernels' strides (which ``torch.compile`` with inductor asserts) for every
+    layout and path: the flash kernel's output follows q, the math kernel's is contiguous, gradients from the flash
+    backward are heads-last unless summed over a group."""
+    q, k, v, mask, grad = _inputs(kv_repeat, mask_kind)
+    if layout == "heads-last":
+        q, k, v, grad = (_heads_last(t) for t in (q, k, v, grad))
     seed = torch.zeros((), dtype=torch.int64)
     codes = [c for t in (q, k, v) for c in torch.ops.fewbit.group_quantize(t.detach(), 8, 64, False, seed)]
     torch.library.opcheck(
-        torch.ops.fewbit.compressed_attention.default, (q, k, v, mask, codes, None, False, 2, False, 8, 64)
+        torch.ops.fewbit.compressed_attention.default,
+        (q, k, v, mask, codes, None, mask is None, kv_repeat, False, 8, 64),
     )
     shapes = [list(q.shape), list(k.shape), list(v.shape)]
     torch.library.opcheck(
-        torch.ops.fewbit.compressed_attention_backward.default, (grad, mask, codes, *shapes, None, False, 8, 64)
+        torch.ops.fewbit.compressed_attention_backward.default,
+        (grad.detach(), mask, codes, *shapes, None, mask is None, 8, 64),
     )
 
 
