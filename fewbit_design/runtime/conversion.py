@@ -29,7 +29,9 @@ The report, ``model.convert_report`` (:class:`ConvertReport`), holds per techniq
 technique's own report, still set as ``model.norms_report``, ``model.gated_report``, ``model.fewbit_report``,
 ``model.linear_report``), the bytes measured and which gradients are approximate; and what convert could not see:
 activation functions called functionally in a module's forward (``F.gelu`` in Whisper's convolutional stem), found by
-running the probe under a ``TorchFunctionMode`` that attributes every call to the innermost running module.
+running the probe under a ``TorchFunctionMode`` that attributes every call to the innermost running module. A model
+converted again keeps one report: the last call's, holding the earlier calls' applied techniques
+(:attr:`ConvertReport.earlier`), so that ``applied`` and ``approximate`` describe the model as it is.
 
 >>> import torch
 >>> from fewbit_design import runtime
@@ -54,11 +56,18 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from ..design import activations as _activations
-from ..errors import FewBitError, check_bits, check_boolean, check_choice, check_integer
-from ..table import MODES
+from ..errors import FewBitError, check_boolean, check_integer
 from . import memory, registry
-from .fewbit.convert import Filter, _check_filter, _check_table_names, _check_tables, _example_errors, _no_side_effects
-from .fewbit.lookup import WEIGHTS, TableLike
+from .fewbit.convert import (
+    Filter,
+    _check_filter,
+    _check_options,
+    _check_table_names,
+    _check_tables,
+    _example_errors,
+    _no_side_effects,
+)
+from .fewbit.lookup import TableLike
 from .fewbit.matching import _recognise, _run_example, _slots
 
 __all__ = ["convert", "ConvertReport", "TechniqueReport", "FunctionalCall"]
@@ -145,16 +154,24 @@ class FunctionalCall:
 class ConvertReport:
     """What :func:`convert` did: ``techniques`` in the order applied, the ``probe`` (what was run to measure, or
     why nothing was), ``before`` / ``after`` (bytes saved for backward by one training step, when measured) and
-    ``unseen`` (activation functions called functionally, which no module replacement can reach)."""
+    ``unseen`` (activation functions called functionally, which no module replacement can reach).
+
+    A model converted more than once keeps one report: that of the last call, which also holds ``earlier`` (the
+    entries of the techniques applied by the earlier calls, oldest first, still in the model) and ``calls`` (how
+    many convert calls the model had). ``techniques``, ``probe``, ``before``, ``after`` and ``unseen`` are the last
+    call's; :attr:`applied` and :attr:`approximate` are of the model as it is now (every call's)."""
 
     techniques: list[TechniqueReport] = field(default_factory=list)
     probe: str = "none"
     before: int | None = None
     after: int | None = None
     unseen: list[FunctionalCall] = field(default_factory=list)
+    earlier: list[TechniqueReport] = field(default_factory=list)
+    calls: int = 1
 
     def technique(self, name: str) -> TechniqueReport:
-        """The entry of technique ``name`` (``norms``, ``gated``, ``fewbit``, ``linear``)."""
+        """The last call's entry of technique ``name`` (``norms``, ``gated``, ``attention``, ``fewbit``,
+        ``linear``)."""
         for item in self.techniques:
             if item.name == name:
                 return item
@@ -162,24 +179,53 @@ class ConvertReport:
 
     @property
     def applied(self) -> tuple[str, ...]:
-        """The techniques kept in the model."""
-        return tuple(item.name for item in self.techniques if item.status == "applied")
+        """The techniques kept in the model (by any convert call on it)."""
+        return tuple(dict.fromkeys(item.name for item in self._held()))
 
     @property
     def approximate(self) -> dict[str, str]:
-        """Technique -> which gradients it makes approximate, for the techniques kept."""
-        return {t.name: t.approximate for t in self.techniques if t.status == "applied" and t.approximate}
+        """Technique -> which gradients it makes approximate, for the techniques kept (by any call)."""
+        texts: dict[str, list[str]] = {}
+        for item in self._held():
+            if item.approximate and item.approximate not in texts.setdefault(item.name, []):
+                texts[item.name].append(item.approximate)
+        return {name: "; ".join(found) for name, found in texts.items() if found}
+
+    def _held(self) -> list[TechniqueReport]:
+        return self.earlier + [item for item in self.techniques if item.status == "applied"]
+
+    def merge_earlier(self, previous: ConvertReport) -> ConvertReport:
+        """Make this report (a new call's) the one report of the model: the techniques ``previous`` holds as applied
+        become :attr:`earlier` (before any already there) and its calls are counted in :attr:`calls`. Returns self.
+
+        Args:
+            previous: the model's report before this call.
+        """
+        held = previous.earlier + [item for item in previous.techniques if item.status == "applied"]
+        self.earlier = held + self.earlier
+        self.calls += previous.calls
+        return self
 
     def __str__(self) -> str:
-        lines = [f"convert: applied {', '.join(self.applied) or 'nothing'}; probe: {self.probe}"]
+        this_call = [item.name for item in self.techniques if item.status == "applied"]
+        head = f"convert: applied {', '.join(this_call) or 'nothing'}"
+        if self.calls > 1:
+            head += f" (call {self.calls} on this model; it holds {', '.join(self.applied) or 'nothing'})"
+        lines = [f"{head}; probe: {self.probe}"]
         if self.before is not None and self.after is not None:
             ratio = self.after / max(self.before, 1)
-            lines.append(f"saved for backward by one training step: {self.before} -> {self.after} bytes ({ratio:.2f}x)")
+            by = " by this call" if self.calls > 1 else ""
+            lines.append(
+                f"saved for backward by one training step{by}: {self.before} -> {self.after} bytes ({ratio:.2f}x)"
+            )
         lines += [str(item) for item in self.techniques]
         if self.unseen:
             lines.append("could not see (activation functions called in forward code, not modules; left exact):")
             for call in self.unseen:
                 lines.append(f"  {call.module or '(model)'} ({call.module_class}): {call.function} x {call.calls}")
+        if self.earlier:
+            lines.append(f"applied by the {self.calls - 1} earlier call(s) (still in the model):")
+            lines += ["  " + line for item in self.earlier for line in str(item).splitlines()]
         return "\n".join(lines)
 
 
@@ -493,9 +539,12 @@ def convert(
             ``attention`` covers both of its modes (exact by default, compressed under ``compress``).
 
     Every argument is checked first; the conversion is all or nothing (an error leaves the model as it was). The
-    report is ``model.convert_report`` (:class:`ConvertReport`); the techniques' own reports stay where they were
-    (``model.fewbit_report``, ...). A model in which nothing was replaced gives a warning. A model that is itself
-    one replaced module (``convert(torch.nn.GELU())``) is returned replaced: use the return value.
+    report is ``model.convert_report`` (:class:`ConvertReport`; a second call merges the first's into it: its
+    ``earlier`` entries keep the earlier calls' technique reports); the techniques' own reports stay where they were
+    (``model.fewbit_report``, ..., each the technique's last run). ``bits`` is an int (not a float, not a bool),
+    ``only_if_smaller`` and ``strict`` are True or False. A model in which nothing was replaced gives a warning. A
+    model that is itself one replaced module (``convert(torch.nn.GELU())``) is returned replaced: use the return
+    value.
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
@@ -510,19 +559,8 @@ def convert(
     }
     if compress is not None:
         compress = check_integer("compress (bits of compressed linear inputs, or None)", compress, low=2, high=8)
-    options = {
-        "fewbit": dict(
-            bits=check_bits(bits),
-            weight=check_choice("weight", weight, WEIGHTS),
-            mode=check_choice("mode", mode, MODES),
-            filter=filter,
-            tables=tables,
-            only_if_smaller=only_if_smaller,
-            strict=strict,
-        ),  # fmt: skip
-        "compress": compress,
-        "probe": None,
-    }
+    fewbit_options = _check_options(bits=bits, weight=weight, mode=mode, only_if_smaller=only_if_smaller, strict=strict)
+    options = {"fewbit": {**fewbit_options, "filter": filter, "tables": tables}, "compress": compress, "probe": None}
     _check_filter(filter)
     if switches["fewbit"]:
         _check_table_names(model, _check_tables(tables), _slots(model, root=True))
@@ -532,7 +570,8 @@ def convert(
     if not any(item.status == "applied" for item in result.techniques) and not _already_converted(converted):
         why = "; ".join(fewbit_warnings) or f"convert: nothing replaced in {type(model).__name__}"
         warnings.warn(why, stacklevel=2)
-    converted.convert_report = result
+    previous = model.__dict__.get("convert_report")
+    converted.convert_report = result.merge_earlier(previous) if isinstance(previous, ConvertReport) else result
     return converted
 
 

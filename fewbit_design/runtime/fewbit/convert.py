@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from ...design import activations
-from ...errors import FewBitError, check_bits, check_choice, close_matches
+from ...errors import FewBitError, check_boolean, check_choice, check_integer, close_matches
 from ...table import MODES, Table
 from .. import memory
 from .lookup import WEIGHTS, TableLike, as_table, resolve_table
@@ -237,6 +237,18 @@ def _decision(filter: Filter, name: str, module: torch.nn.Module) -> Any:
     return filter(name, module)
 
 
+def _check_options(*, bits: Any, weight: Any, mode: Any, only_if_smaller: Any, strict: Any) -> dict[str, Any]:
+    """The few-bit options checked (``bits`` an int, not a float or a bool; the switches True or False), as keyword
+    arguments."""
+    return {
+        "bits": check_integer("bits", bits, low=1, high=8),
+        "weight": check_choice("weight", weight, WEIGHTS),
+        "mode": check_choice("mode", mode, MODES),
+        "only_if_smaller": check_boolean("only_if_smaller", only_if_smaller),
+        "strict": check_boolean("strict", strict),
+    }
+
+
 def _check_filter(filter: Filter) -> None:
     if filter is None or (callable(filter) and not isinstance(filter, type)):
         return
@@ -349,9 +361,7 @@ def convert(
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
     if report is not False:
         raise FewBitError(REPORT_MESSAGE.format(report=report))
-    bits = check_bits(bits)
-    check_choice("weight", weight, WEIGHTS)
-    check_choice("mode", mode, MODES)
+    checked = _check_options(bits=bits, weight=weight, mode=mode, only_if_smaller=only_if_smaller, strict=strict)
     _check_filter(filter)
     checked_tables = _check_tables(tables)
     # under torch.inference_mode / no_grad the probes would see nothing saved and the tables' tensors would be
@@ -359,14 +369,10 @@ def convert(
     with torch.inference_mode(False):
         converted, result = _convert(
             model,
-            bits=bits,
-            weight=weight,
-            mode=mode,
+            **checked,
             filter=filter,
             tables=checked_tables,
-            only_if_smaller=only_if_smaller,
             example_inputs=example_inputs,
-            strict=strict,
         )
     logger.info("convert %s: %s", type(model).__name__, result)
     if not result.replaced and not result.already_fewbit:

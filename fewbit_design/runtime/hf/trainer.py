@@ -12,7 +12,7 @@ import torch
 from transformers import TrainerCallback
 
 from ...errors import FewBitError
-from .config_record import ATTRIBUTE, convert_options, plan_options, record
+from .config_record import ATTRIBUTE, _config_of, convert_options, plan_options, record
 
 __all__ = ["FewBitCallback"]
 
@@ -46,8 +46,9 @@ class FewBitCallback(TrainerCallback):
     its figures are appended to ``state.log_history`` as one entry of ``fewbit/...`` keys, and the text is kept in
     :attr:`report`. The Trainer builds its optimizer before train start, so a conversion must keep the model's
     parameters (few-bit, checkpointing and offloading do); one that replaces a parameter raises
-    :class:`FewBitError`. A model whose config already holds a record and that has it applied (after
-    :func:`~.config_record.restore`) is left as it is.
+    :class:`FewBitError`. A model without ``model.config`` to record in (not a Hugging Face model), or ``plan``
+    without a train dataloader, raises :class:`FewBitError` at train start before the model changes. A model whose
+    config already holds a record and that has it applied (after :func:`~.config_record.restore`) is left as it is.
     """
 
     def __init__(self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None) -> None:
@@ -56,8 +57,7 @@ class FewBitCallback(TrainerCallback):
         self.report: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
-        if model is None:
-            raise FewBitError("FewBitCallback: the Trainer passed no model to on_train_begin")
+        self._check_start(model, kwargs.get("train_dataloader"))
         if getattr(model, "fewbit_memory_plan", None) is not None and getattr(model.config, ATTRIBUTE, None):
             logger.info("FewBitCallback: %s has its recorded conversion applied already", type(model).__name__)
             return
@@ -101,11 +101,18 @@ class FewBitCallback(TrainerCallback):
         logger.info("FewBitCallback at train start:\n%s", self.report)
         state.log_history.append({**figures, "step": state.global_step})
 
+    def _check_start(self, model: Any, dataloader: Any) -> None:
+        """What train start needs, checked before the model changes: a model with a config to record in (a Hugging
+        Face model) and, to plan, a train dataloader."""
+        if model is None:
+            raise FewBitError("FewBitCallback: the Trainer passed no model to on_train_begin")
+        _config_of(model, "FewBitCallback")
+        if self.plan is not None and dataloader is None:
+            raise FewBitError("FewBitCallback(plan=...): the Trainer passed no train dataloader to plan on")
+
     def _plan(self, model: torch.nn.Module, dataloader: Any) -> Any:
         from ..planner.plan import plan_memory
 
-        if dataloader is None:
-            raise FewBitError("FewBitCallback(plan=...): the Trainer passed no train dataloader to plan on")
         with torch.random.fork_rng(devices=[]):  # an extra iterator must not change the order of the training data
             batch = next(iter(dataloader))
         device = next((parameter.device for parameter in model.parameters()), torch.device("cpu"))

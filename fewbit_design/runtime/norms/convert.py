@@ -159,7 +159,9 @@ def _probe_one(
 ) -> str | None:
     """One (parameter dtype, input dtype) combination of :func:`_probe`."""
     shape = getattr(module, "normalized_shape", None) or tuple(module.weight.shape)
-    original = copy.deepcopy(module).to(parameter_dtype)
+    # every parameter of the copy requires grad, frozen or not in the model: the probe checks the formula's
+    # gradients (a frozen norm may be unfrozen later, and the replacement shares the model's parameters as they are)
+    original = copy.deepcopy(module).to(parameter_dtype).requires_grad_(True)
     with torch.no_grad():
         for parameter in original.parameters():
             parameter.copy_(torch.randn(parameter.shape, generator=generator) * 0.5 + 0.25)
