@@ -1,10 +1,11 @@
 """Exact accounting of memory: the bytes saved for the backward pass, and the peak of live tensor bytes.
 
 Every tensor that autograd saves for backward goes through ``torch.autograd.graph.saved_tensors_hooks``;
-this module counts those tensors' storages once each (de-duplicated by storage), leaving out parameters and,
-when a model is given, its buffers. Leaf tensors that require grad (parameters, or inputs the caller created with
-``requires_grad=True``) are left out too: the caller keeps them alive whether or not autograd saves them, so they
-are not memory that backward costs. It is how memory claims are measured on a machine without a GPU.
+this module counts those tensors' storages once each (told apart by identity, not by address), leaving out
+parameters and, when a model is given, its buffers. Leaf tensors that require grad (parameters, or inputs the
+caller created with ``requires_grad=True``) are left out too: the caller keeps them alive whether or not autograd
+saves them, so they are not memory that backward costs. It is how memory claims are measured on a machine without
+a GPU.
 
 >>> import torch
 >>> from fewbit_design.runtime import memory
@@ -43,6 +44,7 @@ system has no resettable mark (not Linux, or ``clear_refs`` not writable).
 
 from __future__ import annotations
 
+import sys
 import weakref
 from collections import defaultdict, deque
 from collections.abc import Callable, Iterator
@@ -103,6 +105,25 @@ def _hooks_below() -> tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch
     return top(True) if top is not None else None
 
 
+class _Storages:
+    """Storages by identity, each with a number. A storage's Python object lives as long as the storage, and torch
+    returns that same object for every tensor over it, so ``id`` tells storages apart while they are alive; a weak
+    reference checks that a storage found under an ``id`` is still the one recorded, as a storage freed inside a
+    block and a new one given its ``id`` (or its address, by the allocator) are two storages. Nothing is kept
+    alive."""
+
+    def __init__(self) -> None:
+        self._by_id: dict[int, tuple[weakref.ref[torch.UntypedStorage], int]] = {}
+
+    def number(self, storage: torch.UntypedStorage | None) -> int | None:
+        """The number ``storage`` was added with, or None (not added, or None)."""
+        entry = self._by_id.get(id(storage)) if storage is not None else None
+        return entry[1] if entry is not None and entry[0]() is storage else None
+
+    def add(self, storage: torch.UntypedStorage, number: int) -> None:
+        self._by_id[id(storage)] = (weakref.ref(storage), number)
+
+
 @dataclass
 class SavedBytes:
     """What :func:`saved_bytes` measured.
@@ -121,16 +142,21 @@ class SavedBytes:
     by_module: dict[str, int] = field(default_factory=dict)
     tensors: int = 0
     exclusive_by_module: dict[str, int] = field(default_factory=dict)
-    _seen: dict[tuple[str, int], int] = field(default_factory=dict, repr=False)
-    _in_memory: set[tuple[str, int]] = field(default_factory=set, repr=False)
-    _savers: dict[tuple[str, int], set[str]] = field(default_factory=dict, repr=False)
+    # the counted storages are numbered 0, 1, ... in the order they were first saved
+    _storages: _Storages = field(default_factory=_Storages, repr=False, compare=False)
+    _seen: dict[int, int] = field(default_factory=dict, repr=False)  # number -> bytes
+    _in_memory: set[int] = field(default_factory=set, repr=False)
+    _savers: dict[int, set[str]] = field(default_factory=dict, repr=False)
 
     def __str__(self) -> str:
         return f"{self.total} bytes saved for backward in {self.tensors} storages"
 
+    def _number(self, tensor: torch.Tensor) -> int | None:
+        return self._storages.number(_storage_or_none(tensor))
+
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` was counted as saved for backward."""
-        return storage_key(tensor) in self._seen
+        return self._number(tensor) is not None
 
     def savers(self, tensor: torch.Tensor) -> frozenset[str]:
         """Qualified names of the modules that saved the storage behind ``tensor`` (the innermost module running at
@@ -139,14 +165,15 @@ class SavedBytes:
         Args:
             tensor: any tensor of the storage
         """
-        return frozenset(self._savers.get(storage_key(tensor), ()))
+        number = self._number(tensor)
+        return frozenset(self._savers.get(number, ())) if number is not None else frozenset()
 
     def keeps(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` was saved for backward and stays in memory: saved at least once
         without the hooks active below this block (those that were active when it was entered: an offload region,
         a checkpoint) packing it away. An offload region keeps a tensor under its ``min_bytes`` as it is, so
         ``keeps`` is true for it and false for what it offloaded; without hooks below, ``keeps`` is ``contains``."""
-        return storage_key(tensor) in self._in_memory
+        return self._number(tensor) in self._in_memory
 
 
 def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[SavedBytes]:
@@ -155,6 +182,12 @@ def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[
     Args:
         model: optional module; its parameters and buffers are excluded, and bytes are attributed to its
             submodules in ``by_module``.
+
+    Each storage saved inside the block counts once, however many tensors over it are saved and by how many
+    operators; storages are told apart by identity, not by address, so one freed inside the block (its graph
+    dropped) and a new one the allocator puts at its address both count. Modules are found on the Python stack
+    when a tensor is saved: the block adds no hook to the model or to torch's global module hooks, which would
+    make a compiled model recompile (dynamo guards on them) and slow every later module call.
 
     The count is transparent: each saved tensor, once counted, goes on to the saved-tensor hooks that were active
     when the block was entered (an enclosing ``saved_bytes`` block, which counts it too, an offload region, a
@@ -166,96 +199,60 @@ def saved_bytes(model: torch.nn.Module | None = None) -> AbstractContextManager[
     return _OneRegion("saved_bytes", _saved_bytes(model))
 
 
-class _Attribution:
-    """The module stack of one open :func:`saved_bytes` block with a model: ``names`` maps ``id(module)`` to its
-    qualified name in that model."""
-
-    def __init__(self, model: torch.nn.Module) -> None:
-        self.names = {id(module): name for name, module in model.named_modules()}
-        self.stack: list[str] = []
+_CALL_IMPL = torch.nn.Module._call_impl.__code__
 
 
-#: the open blocks that attribute bytes to modules (innermost last); the module hooks push and pop on each
-_ATTRIBUTING: list[_Attribution] = []
-
-
-def _push_module(module: torch.nn.Module, _inputs: Any) -> None:
+def _running_module(names: dict[int, str]) -> str:
+    """The name in ``names`` (``id(module)`` -> qualified name) of the innermost of those modules running now, ""
+    when none: the innermost frame of ``Module._call_impl`` whose module is one of them. Code that dynamo compiled
+    runs no such frame, so what a compiled region saves (when its graph returns) goes to the module that was
+    running eagerly around it."""
     if torch.compiler.is_compiling():
-        return
-    for attribution in _ATTRIBUTING:
-        name = attribution.names.get(id(module))
-        if name is not None:
-            attribution.stack.append(name)
-
-
-def _pop_module(module: torch.nn.Module, _inputs: Any, _outputs: Any) -> None:
-    if torch.compiler.is_compiling():
-        return
-    for attribution in _ATTRIBUTING:
-        name = attribution.names.get(id(module))
-        if name is not None and attribution.stack and attribution.stack[-1] == name:
-            attribution.stack.pop()
-
-
-_GLOBAL_HOOKS: list[Any] = []
-
-
-def _hook_modules() -> None:
-    """Register :func:`_push_module` and :func:`_pop_module` as global module hooks, once per process: they stay
-    (a module call costs a look at :data:`_ATTRIBUTING`, empty outside a block), so no hook is ever added to or
-    removed from the measured model, and under ``torch.compile`` they do nothing. Registered per module at each
-    block, each with the module's name bound in, and removed at exit, they made a compiled model recompile: dynamo
-    guards on a module's hooks (their number, their ids) and on what a traced hook reads, so each measurement (new
-    hooks), each step after it (none) and each block of a chain (another name) failed the guards, and a chain of
-    more blocks than the recompile limit (8) ran its last blocks eagerly. (A compiled region's saves are attributed
-    to the module that was running when it was entered, as before: a compiled graph saves when it returns.) Removing
-    them when the last block closes makes the next compiled step recompile (dynamo guards on the global hooks too), so
-    they stay; one cost is torch's warning that ``torch.compile(module)`` called after a measurement fires global
-    hooks twice (harmless here: the wrapper is no module of a measured model)."""
-    if not _GLOBAL_HOOKS:
-        from torch.nn.modules import module as module_hooks
-
-        _GLOBAL_HOOKS.append(module_hooks.register_module_forward_pre_hook(_push_module))
-        _GLOBAL_HOOKS.append(module_hooks.register_module_forward_hook(_pop_module, always_call=True))
+        return ""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code is _CALL_IMPL:
+            name = names.get(id(frame.f_locals.get("self")))
+            if name is not None:
+                return name
+        frame = frame.f_back
+    return ""
 
 
 @contextmanager
 def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
     result = SavedBytes()
-    excluded: set[tuple[str, int]] = set()
-    attribution: _Attribution | None = None
-    stack: list[str] = []
+    excluded = _Storages()
+    names: dict[int, str] = {}
+    by_module: defaultdict[str, int] = defaultdict(int)
     if model is not None:
         for tensor in list(model.parameters()) + list(model.buffers()):
-            excluded.add(storage_key(tensor))
-        by_module: defaultdict[str, int] = defaultdict(int)
-        _hook_modules()
-        attribution = _Attribution(model)
-        stack = attribution.stack
+            storage = _storage_or_none(tensor)
+            if storage is not None:
+                excluded.add(storage, 0)
+        names = {id(module): name for name, module in model.named_modules()}
 
     def count(tensor: torch.Tensor, packed: Any = None) -> None:
         """Count ``tensor``; ``packed`` is what the hooks below made of it (it stays in memory when that is a
         tensor of the same storage)."""
         if isinstance(tensor, torch.nn.Parameter) or (tensor.is_leaf and tensor.requires_grad):
             return
-        try:
-            key = storage_key(tensor)
-        except (RuntimeError, NotImplementedError):  # tensors without storage (fake, functional wrappers)
+        storage = _storage_or_none(tensor)  # None: a tensor without storage (functional wrappers)
+        if storage is None or excluded.number(storage) is not None:
             return
-        if key in excluded:
-            return
-        if packed is tensor or (isinstance(packed, torch.Tensor) and _same_storage(packed, key)):
-            result._in_memory.add(key)
+        name = _running_module(names) if model is not None else ""
+        number = result._storages.number(storage)
+        if number is None:
+            number = len(result._seen)
+            result._storages.add(storage, number)
+            result._seen[number] = nbytes = int(storage.nbytes())
+            result.total += nbytes
+            result.tensors += 1
+            by_module[name] += nbytes
+        if packed is tensor or (isinstance(packed, torch.Tensor) and _storage_or_none(packed) is storage):
+            result._in_memory.add(number)
         if model is not None:
-            result._savers.setdefault(key, set()).add(stack[-1] if stack else "")
-        if key in result._seen:
-            return
-        nbytes = _storage_nbytes(tensor)
-        result._seen[key] = nbytes
-        result.total += nbytes
-        result.tensors += 1
-        if model is not None:
-            by_module[stack[-1] if stack else ""] += nbytes
+            result._savers.setdefault(number, set()).add(name)
 
     below = _hooks_below()
     if below is None:
@@ -275,31 +272,17 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
             count(tensor, packed)
             return packed
 
-    if attribution is not None:
-        _ATTRIBUTING.append(attribution)
     try:
         with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
             yield result
     finally:
-        if attribution is not None:
-            for index in range(len(_ATTRIBUTING) - 1, -1, -1):
-                if _ATTRIBUTING[index] is attribution:
-                    del _ATTRIBUTING[index]
-                    break
         if model is not None:
             result.by_module = dict(by_module)
             exclusive: defaultdict[str, int] = defaultdict(int)
-            for key, savers in result._savers.items():
+            for number, savers in result._savers.items():
                 if len(savers) == 1:
-                    exclusive[next(iter(savers))] += result._seen[key]
+                    exclusive[next(iter(savers))] += result._seen[number]
             result.exclusive_by_module = dict(exclusive)
-
-
-def _same_storage(tensor: torch.Tensor, key: tuple[str, int]) -> bool:
-    try:
-        return storage_key(tensor) == key
-    except (RuntimeError, NotImplementedError):
-        return False
 
 
 @dataclass
