@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from .._torchscript import NotScriptable
 from .ops import _native_picks_flash, _repeat, flash_gradients_like, flash_layout
 
 __all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
@@ -33,7 +34,7 @@ __all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
 RECIPE = "fewbit_recipe"
 
 
-class ValueLinear(torch.nn.Linear):
+class ValueLinear(NotScriptable, torch.nn.Linear):
     """``nn.Linear`` (same parameters, same state dict) that also leaves ``(input, output, output's version)`` of its
     forward on itself for the attention core of its module to take (:func:`take_recipe`); nothing else changes."""
 

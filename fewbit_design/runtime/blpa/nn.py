@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ...errors import FewBitError, check_bits
+from .._torchscript import NotScriptable
 from . import quant
 
 __all__ = ["BNReLUConv2d", "BNReLULinear", "BNReLUPoolLinear", "set_backend", "unit_backward"]
@@ -296,7 +297,7 @@ def _explicit_padding(context: str, conv: nn.Conv2d) -> tuple[int, int]:
     return (int(padding[0]), int(padding[1]))
 
 
-class _FusedUnit(nn.Module):
+class _FusedUnit(NotScriptable, nn.Module):
     """Shared machinery: submodules named like ``nn.Sequential(BatchNorm, ReLU, ..., Linear-op)``."""
 
     _kind = "conv2d"

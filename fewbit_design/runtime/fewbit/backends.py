@@ -482,10 +482,26 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _triton_kernels():
+def _triton_kernels(device: torch.device):
+    """The Triton kernels module, for tensors on ``device``: CUDA, or any device when the kernels run in Triton's
+    interpreter (``TRITON_INTERPRET=1`` when they were imported, as in the tests); else one FewBitError, not
+    Triton's own driver error."""
     from . import _triton_kernels
 
+    if device.type != "cuda" and not _interpreted(_triton_kernels._fewbit_forward_kernel):
+        raise FewBitError(
+            f"backend 'triton' ({BACKEND_ENV} or use_backend) runs on CUDA tensors, got {device.type} tensors: use "
+            "'auto', 'numba' or 'reference' on the CPU (Triton's interpreter runs it on the CPU only when "
+            "TRITON_INTERPRET=1 is set before the kernels are imported)"
+        )
     return _triton_kernels
+
+
+def _interpreted(kernel: Any) -> bool:
+    """Whether ``kernel`` (a ``triton.jit`` function) runs in Triton's interpreter."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return isinstance(kernel, InterpretedFunction)
 
 
 def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
@@ -495,7 +511,7 @@ def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: t
     out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
     if numel == 0:
         return out
-    kernels = _triton_kernels()
+    kernels = _triton_kernels(x.device)
     flat = _flat_contiguous(x)
     block = kernels.BLOCK_GROUPS
     grid = (_cdiv(_cdiv(numel, 8), block),)
@@ -521,7 +537,7 @@ def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor,
     out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
     if numel == 0:
         return out
-    kernels = _triton_kernels()
+    kernels = _triton_kernels(grad.device)
     block = kernels.BLOCK_GROUPS
     grid = (_cdiv(_cdiv(numel, 8), block),)
     flat = _flat_contiguous(grad)

@@ -32,6 +32,7 @@ import torch.nn.functional as F
 from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
+from .._torchscript import NotScriptable
 from .backends import fused_relu
 from .functional import quick_gelu_native, relu_squared_native
 from .lookup import TableLike, as_table, document_arguments, resolve_table
@@ -71,7 +72,7 @@ _BUFFER_NAMES = tuple(f"_fewbit_{name}" for name in _BUFFERS)
 _DECODED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
-class FewBitModule(torch.nn.Module):
+class FewBitModule(NotScriptable, torch.nn.Module):
     """Base class: holds a table (``self.table``) and its tensors as non-persistent integer buffers.
 
     Assigning ``module.table = other`` (a Table, a dict or a path) checks the table and replaces the buffers too.

@@ -7,6 +7,7 @@ from typing import NamedTuple
 import torch
 
 from ...errors import check_choice
+from .._torchscript import NotScriptable
 from ..linear.quant import GROUP_SIZE, check_options
 from .compressed import gated_mlp_compressed
 from .ops import ACTIVATIONS, gated_mlp
@@ -36,7 +37,7 @@ LAYOUTS = (
 )
 
 
-class GatedMLP(torch.nn.Module):
+class GatedMLP(NotScriptable, torch.nn.Module):
     """``down(act(gate(x)) * up(x))`` with the gated-MLP op: ``mode="exact"`` saves x, gate and up (exact
     gradients); ``mode="compressed"`` saves ``bits``-bit group codes of x, gate and up (``group_size``, ``rounding``
     as in :func:`fewbit_design.runtime.linear.convert`) and recomputes act(gate) and act'(gate) from gate's codes,

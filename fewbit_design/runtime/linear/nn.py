@@ -8,13 +8,14 @@ import copy
 
 import torch
 
+from .._torchscript import NotScriptable
 from .ops import compressed_linear
 from .quant import GROUP_SIZE, check_options
 
 __all__ = ["CompressedLinear", "CompressedConv1D", "compress_module", "share_state"]
 
 
-class _Compressed:
+class _Compressed(NotScriptable):
     """The options every compressed module carries (set by :func:`compress_module` or the constructor)."""
 
     bits: int

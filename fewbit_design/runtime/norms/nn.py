@@ -6,12 +6,13 @@ from __future__ import annotations
 import torch
 
 from ...errors import FewBitError, check_bits, check_choice
+from .._torchscript import NotScriptable
 from .ops import DEFAULT_THRESHOLD, KINDS, _compute_dtype, kept_channels, norm_and_kept_count
 
 __all__ = ["MemorySharingNorm"]
 
 
-class MemorySharingNorm(torch.nn.Module):
+class MemorySharingNorm(NotScriptable, torch.nn.Module):
     """A LayerNorm / RMSNorm that keeps for backward only its output, the rows' rstd and the normalised input of the
     channels it cannot invert (see :mod:`.ops`); its forward is bitwise the original's.
 

@@ -40,7 +40,8 @@ cheaper in CPU than writing fresh ones (measured on the 2-core development machi
 CPU that work competes with the compute. The pool is bounded: at most ``MAX_IDLE_FILES`` per folder and
 ``MAX_IDLE_TOTAL`` in all (the least recently used goes first), and a file whose folder was removed (or replaced)
 is closed at the next use of the pool instead of being kept. :func:`empty_cache` closes the idle files (the space
-returns to the file system); a file that saw an I/O error is never reused.
+returns to the file system), and removing an offload (``OffloadHandle.remove``, which undoing a memory plan calls)
+closes those of its folder; a file that saw an I/O error is never reused.
 """
 
 from __future__ import annotations
@@ -151,11 +152,18 @@ def idle_files() -> int:
     return count
 
 
-def empty_cache() -> int:
-    """Close the idle step files kept for reuse; return the bytes they held on disk."""
+def empty_cache(directory: str | os.PathLike | None = None) -> int:
+    """Close the idle step files kept for reuse, all of them or those of ``directory`` only (whether or not the folder
+    is still there); return the bytes they held on disk.
+
+    Args:
+        directory: the folder whose idle files to close, or None for every folder
+    """
+    real = os.path.realpath(os.fspath(directory)) if directory is not None else None
     with _IDLE_LOCK:
-        files = list(_IDLE)
-        _IDLE.clear()
+        files = [entry for entry in _IDLE if real is None or entry[0][0] == real]
+        for entry in files:
+            _IDLE.remove(entry)
     _close_all(files)
     return sum(entry[2] for entry in files)
 

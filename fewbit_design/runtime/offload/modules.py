@@ -5,6 +5,7 @@ region (one session per training step), and :class:`OffloadHandle` gives the sta
 from __future__ import annotations
 
 import os
+import tempfile
 import weakref
 from collections.abc import Iterable
 from typing import Any
@@ -103,7 +104,8 @@ def _class_forward(module: torch.nn.Module, offloader: _ModuleOffloader) -> _Off
 
 
 class OffloadHandle:
-    """What :func:`apply` returns: ``stats`` of the latest step, and ``remove()`` to restore the modules.
+    """What :func:`apply` returns: ``stats`` of the latest step, and ``remove()`` to restore the modules (and to
+    close the idle file that the disk target keeps for the next step in its folder).
 
     Args:
         offloader: the object that holds the wrapped forwards (internal)
@@ -128,7 +130,12 @@ class OffloadHandle:
                 else:
                     module.forward = wrapper.forward
         self._modules = []
-        self._offloader.options.staging.trim()  # the staging buffers kept for the next step
+        options = self._offloader.options
+        options.staging.trim()  # the staging buffers kept for the next step
+        if options.target != "cuda-host":  # the idle file kept for the next step in its folder (none will come)
+            from .disk import empty_cache
+
+            empty_cache(options.directory if options.directory is not None else tempfile.gettempdir())
 
 
 def _select(model: torch.nn.Module, modules: Any) -> list[torch.nn.Module]:

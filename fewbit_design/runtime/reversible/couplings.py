@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from ...errors import FewBitError, check_positive
+from .._torchscript import NotScriptable
 from ._autograd import (
     State,
     _add,
@@ -27,7 +28,7 @@ from ._autograd import (
 )
 
 
-class InvertibleModule(nn.Module):
+class InvertibleModule(NotScriptable, nn.Module):
     """A module with ``forward(x)`` and ``inverse(y)``; the base of every block of a :class:`ReversibleSequence`.
 
     Subclasses implement ``forward`` and ``inverse``. Blocks whose inverse needs something from the forward pass

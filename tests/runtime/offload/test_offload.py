@@ -817,6 +817,28 @@ def test_idle_files_of_removed_folders_are_closed(tmp_path):
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
+def test_removing_an_offload_closes_the_idle_file_of_its_folder(tmp_path):
+    """The file kept for the next step in the folder is closed when the offload is removed (no next step comes),
+    so removing the folder afterwards frees its disk space at once; another folder's idle file stays."""
+    other = tmp_path / "other"
+    other.mkdir()
+    with offload.saved_tensors(target="disk", min_bytes=0, directory=other):
+        loss = two_tanh(torch.randn(1 << 16, requires_grad=True))
+    loss.backward()
+    before = open_descriptors()
+    folder = tmp_path / "steps"
+    folder.mkdir()
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 1))
+    handle = offload.apply(model, target="disk", min_bytes=0, prefetch=0, directory=folder)
+    model(torch.randn(64, 256)).sum().backward()
+    assert disk.idle_files() == 2 and open_descriptors() == before + 1
+    handle.remove()
+    shutil.rmtree(folder)
+    assert open_descriptors() == before  # (counted first: idle_files() closes the files of removed folders)
+    assert disk.idle_files() == 1
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="counts descriptors in /proc/self/fd")
 def test_idle_files_are_capped_in_all(tmp_path):
     x = torch.randn(1 << 16, requires_grad=True)
     before = open_descriptors()
