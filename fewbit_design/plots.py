@@ -1,21 +1,68 @@
 """matplotlib figures (Agg backend, imported only when a plot is asked for).
 
 Figures are drawn on a :class:`matplotlib.figure.Figure` with the Agg canvas (no pyplot, no global state) and written
-atomically: a failed plot never leaves a partial PNG behind.
+atomically: a failed plot never leaves a partial file behind. A figure file's suffix names its format
+(:data:`FIGURE_FORMATS`, checked up front by :func:`figure_format`).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from .table import Table, write_bytes_atomic
+from .errors import FewBitError
+from .output_files import write_bytes_atomic
+from .table import Table
 
-__all__ = ["plot_table", "plot_bits_grid", "plot_curves", "save_figure"]
+__all__ = [
+    "FIGURE_FORMATS",
+    "figure_format",
+    "figure_bytes",
+    "save_figure",
+    "table_figure",
+    "bits_grid_figure",
+    "curves_figure",
+    "plot_table",
+    "plot_bits_grid",
+    "plot_curves",
+]
+
+#: The format matplotlib writes for each figure file suffix (any case). JPEG goes through pillow, which matplotlib
+#: requires.
+FIGURE_FORMATS = {".png": "png", ".pdf": "pdf", ".svg": "svg", ".jpg": "jpeg", ".jpeg": "jpeg"}
+
+
+def figure_format(path: str | os.PathLike, *, option: str = "figure file") -> str:
+    """The format a figure written to ``path`` has, from its suffix (:data:`FIGURE_FORMATS`); an existing FIFO or
+    character device without a suffix (``/dev/stdout``) gets PNG. Any other name is one error listing the suffixes.
+
+    >>> figure_format("gelu.PDF")
+    'pdf'
+
+    Args:
+        path: the figure file
+        option: what names it, for the error message (``--plot``)
+    """
+    suffix = os.path.splitext(os.fspath(path))[1].lower()
+    if suffix in FIGURE_FORMATS:
+        return FIGURE_FORMATS[suffix]
+    if not suffix and _is_stream(path):
+        return "png"
+    accepted = ", ".join(list(FIGURE_FORMATS)[:-1]) + f" or {list(FIGURE_FORMATS)[-1]}"
+    raise FewBitError(f"{option} must end in {accepted} (the figure's format), got {os.fspath(path)!r}")
+
+
+def _is_stream(path: str | os.PathLike) -> bool:
+    try:
+        mode = os.stat(path).st_mode
+    except (OSError, ValueError):
+        return False
+    return stat.S_ISFIFO(mode) or stat.S_ISCHR(mode)
 
 
 def _figure(width: float, height: float) -> Any:
@@ -27,12 +74,28 @@ def _figure(width: float, height: float) -> Any:
     return figure
 
 
-def save_figure(figure: Any, path: str | os.PathLike, *, force: bool = False) -> Path:
-    """Render ``figure`` to PNG in memory, then write it with :func:`~fewbit_design.table.write_bytes_atomic`
-    (an existing file is replaced only with ``force``)."""
+def figure_bytes(figure: Any, path: str | os.PathLike) -> bytes:
+    """``figure`` rendered in memory in the format of ``path`` (:func:`figure_format`), at 120 dpi.
+
+    Args:
+        figure: a matplotlib figure
+        path: the file it is for (only its name is used)
+    """
     buffer = io.BytesIO()
-    figure.savefig(buffer, format="png", bbox_inches="tight")
-    return write_bytes_atomic(path, buffer.getvalue(), force=force)
+    figure.savefig(buffer, format=figure_format(path), dpi=120, bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def save_figure(figure: Any, path: str | os.PathLike, *, force: bool = False) -> Path:
+    """Render ``figure`` in memory in the format of ``path``, then write it with
+    :func:`~fewbit_design.output_files.write_bytes_atomic` (an existing file is replaced only with ``force``).
+
+    Args:
+        figure: a matplotlib figure
+        path: the file to write; its suffix names the format
+        force: replace an existing file
+    """
+    return write_bytes_atomic(path, figure_bytes(figure, path), force=force)
 
 
 #: how the weight is drawn: a density curve on its own (right-hand) y axis, labelled, never a band at an arbitrary
@@ -68,10 +131,16 @@ def _legend(axes: Any, weight_axes: Any, **options: Any) -> Any:
 def plot_table(
     table: Table, bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
 ) -> Path:
-    """A PNG of f'(x), the table's step function q(x) and the weight w(x) over the design range.
+    """Write :func:`table_figure` to ``path`` (its suffix names the format); an existing file is replaced only with
+    ``force``."""
+    figure_format(path)  # a bad suffix is refused before any drawing
+    return save_figure(table_figure(table, bound_activation, weight), path, force=force)
+
+
+def table_figure(table: Table, bound_activation: Any, weight: Any) -> Any:
+    """f'(x), the table's step function q(x) and the weight w(x) over the design range.
 
     ``bound_activation`` provides ``df`` (the exact derivative), ``weight`` is callable with ``low``/``high``.
-    An existing file at ``path`` is replaced only with ``force``.
     """
     low, high = float(weight.low), float(weight.high)
     x = np.linspace(low, high, 4001)
@@ -95,7 +164,7 @@ def plot_table(
     snr = "" if table.snr_db is None else f", SNR {table.snr_db:.1f} dB"
     symmetric = ", symmetric" if table.symmetric else ""
     axes.set_title(f"{table.activation}: {table.bits}-bit {table.mode}{symmetric}, error L = {table.error:.4g}{snr}")
-    return save_figure(figure, path, force=force)
+    return figure
 
 
 def _view_range(tables: list[Table], weight: Any) -> tuple[float, float]:
@@ -124,9 +193,14 @@ def _weight_label(weight: Any) -> str:
 def plot_bits_grid(
     tables: list[Table], bound_activation: Any, weight: Any, path: str | os.PathLike, *, force: bool = False
 ) -> Path:
+    """Write :func:`bits_grid_figure` to ``path`` atomically (its suffix names the format)."""
+    figure_format(path)  # a bad suffix is refused before any drawing
+    return save_figure(bits_grid_figure(tables, bound_activation, weight), path, force=force)
+
+
+def bits_grid_figure(tables: list[Table], bound_activation: Any, weight: Any) -> Any:
     """One panel per table (bit width): f'(x), the step function q(x) and the weight as a density curve on the
-    panel's right-hand axis; the error in each panel's title (like the paper's Figure 8 grid). Written atomically
-    to ``path``."""
+    panel's right-hand axis; the error in each panel's title (like the paper's Figure 8 grid)."""
     count = len(tables)
     columns = 2 if count in (2, 4) else min(count, 4)
     rows = -(-count // columns)
@@ -157,10 +231,16 @@ def plot_bits_grid(
         _legend(axes, shade, fontsize=7, loc="upper left")
     figure.suptitle(f"{_activation_label(bound_activation)}: few-bit derivative, weight {_weight_label(weight)}")
     figure.tight_layout()
-    return save_figure(figure, path, force=force)
+    return figure
 
 
 def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: str = "", force: bool = False) -> Path:
+    """Write :func:`curves_figure` to ``path`` atomically (its suffix names the format)."""
+    figure_format(path)  # a bad suffix is refused before any drawing
+    return save_figure(curves_figure(rows, title=title), path, force=force)
+
+
+def curves_figure(rows: list[dict[str, Any]], *, title: str = "") -> Any:
     """Error (log scale) and SNR (dB) against bits, one line per activation, the two modes side by side.
 
     ``rows`` are dicts with activation, mode, bits, error and snr_db. Exact tables (error 0) are left off the
@@ -203,4 +283,4 @@ def plot_curves(rows: list[dict[str, Any]], path: str | os.PathLike, *, title: s
                 handles.append(handle)
                 labels.append(label)
     figure.legend(handles, labels, loc="upper left", bbox_to_anchor=(0.885, 0.93), title="activation", fontsize=9)
-    return save_figure(figure, path, force=force)
+    return figure

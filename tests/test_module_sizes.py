@@ -29,6 +29,11 @@ SPLITS = [
         ["table_tensors", "TableTensors", "quantize", "scale", "quantize_reference", "use_backend", "backend_for"],
     ),
     ("fewbit_design.runtime.fewbit.convert", "fewbit_design.runtime.fewbit.matching", ["ECOSYSTEM", "canonical_name"]),
+    (
+        "fewbit_design.table",
+        "fewbit_design.output_files",
+        ["check_writable", "check_outputs", "write_bytes_atomic", "write_files_atomic", "write_text_atomic"],
+    ),
 ]
 
 

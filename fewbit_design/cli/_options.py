@@ -7,6 +7,7 @@ on :data:`cli` from here, and :mod:`fewbit_design.cli` imports those modules. Im
 from __future__ import annotations
 
 import inspect
+from typing import Any
 
 import click
 
@@ -17,6 +18,7 @@ __all__ = [
     "PROG",
     "WEIGHT_KINDS",
     "ActivationCommand",
+    "Interrupted",
     "cli",
     "fold_name",
     "fold_option",
@@ -85,10 +87,21 @@ def weight_options(function):
     return function
 
 
+class Interrupted(BaseException):
+    """Ctrl-C in a command, carried past click (which answers a KeyboardInterrupt with a blank line on stderr) to
+    :func:`fewbit_design.cli.main`, which prints the one line."""
+
+
 class _DefaultCommandGroup(click.Group):
     """A group whose first argument, when it is not a subcommand, is an activation for ``design``."""
 
     default_command = "design"
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except KeyboardInterrupt:
+            raise Interrupted from None
 
     def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
         if args and args[0] not in self.commands and args[0] not in ("--help", "-h", "--version"):

@@ -138,7 +138,12 @@ def snr_text(table: Any) -> str:
 @click.option("--out", type=click.Path(dir_okay=False), default=None, help="Write the table JSON here.")
 @click.option("--force", is_flag=True, help="Overwrite --out / --plot if they exist.")
 @click.option("--json", "as_json", is_flag=True, help="Print the table JSON on stdout and nothing else.")
-@click.option("--plot", type=click.Path(dir_okay=False), default=None, help="Write a PNG of f', q and the weight.")
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Write a figure of f', q and the weight (.png, .pdf, .svg, .jpg).",
+)
 @click.option("--no-refine", is_flag=True, help="Keep the grid DP's solution (no continuous refinement).")
 def design_command(activation, bits, weight, loc, scale, df, samples, design_range, mode, symmetric, grid, spacing,
                    params, module, out, force, as_json, plot, no_refine) -> None:  # fmt: skip
@@ -153,7 +158,8 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     """
     from ..design import design
     from ..design.weights import make_weight
-    from ..table import check_outputs
+    from ..output_files import check_outputs
+    from ..plots import figure_format
 
     # Every input is checked before any work.
     bits = check_bits(bits, name="--bits")
@@ -167,17 +173,14 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
         raise FewBitError(f"--grid must be at least 2**bits + 1 = {2**bits + 1}, got {grid}")
     bound = _bound_activation(activation, module, params)
     w = make_weight(weight_kind, low=low, high=high, loc=loc, scale=scale, df=df, samples=samples)
+    if plot is not None:
+        figure_format(plot, option="--plot")
     check_outputs({"--out": out, "--plot": plot}, force=force)
     start = time.perf_counter()
     table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
                    refine=not no_refine, progress=_progress)  # fmt: skip
     seconds = time.perf_counter() - start
-    if out is not None:
-        table.save(out, force=force)
-    if plot is not None:
-        from ..plots import plot_table
-
-        plot_table(table, bound, w, plot, force=force)
+    _write_outputs(table, bound, w, out, plot, force=force)
     if as_json:
         click.echo(table.to_json(), nl=False)
         return
@@ -185,6 +188,19 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     for path in (out, plot):
         if path is not None:
             click.echo(f"wrote {path}")
+
+
+def _write_outputs(table: Any, bound: Any, weight: Any, out: str | None, plot: str | None, *, force: bool) -> None:
+    """The table JSON (``--out``) and its figure (``--plot``), both or neither."""
+    from ..output_files import write_files_atomic
+    from ..plots import figure_bytes, table_figure
+
+    files = {}
+    if out is not None:
+        files[out] = table.to_json().encode()
+    if plot is not None:
+        files[plot] = figure_bytes(table_figure(table, bound, weight), plot)
+    write_files_atomic(files, force=force)
 
 
 @cli.command("list")

@@ -6,8 +6,9 @@
 
 Layout (imports go downward only): :mod:`._options` holds the group and the shared options; one module per
 command family registers its commands on the group (:mod:`.design`: design and list; :mod:`.tables`: tables,
-plot, curves; :mod:`.snr`: snr; :mod:`.memory`: memory); this module imports them and runs the group. The CLI may
-import everything below it (the design math, tables, plots, and the runtime lazily, inside a command); nothing
+plot, curves; :mod:`.snr`: snr; :mod:`.memory`: memory); this module imports them inside :func:`main` (its own
+module level loads the standard library only, so that Ctrl-C is handled from the start) and runs the group. The CLI
+may import everything below it (the design math, tables, plots, and the runtime lazily, inside a command); nothing
 imports the CLI.
 """
 
@@ -15,23 +16,43 @@ from __future__ import annotations
 
 import _thread
 import contextlib
+import os
 import re
 import signal
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
-import click
-
 from ..errors import FewBitError
-from . import design, memory, snr, tables  # noqa: F401  (each registers its commands on the group)
-from ._options import PROG, cli, short_help
 
-__all__ = ["cli", "main", "for_shell"]
+__all__ = ["main", "for_shell", "commands"]
+
+# Module level imports the standard library only: click, numpy and the command modules load inside main(), once its
+# Ctrl-C handler is in place (see _interrupt_exits). The program name is _options.PROG, which imports click.
+_INTERRUPTED = b"fewbit-design: interrupted\n"
+
+
+def commands() -> Any:
+    """The ``fewbit-design`` click group with every command registered (this imports click, numpy and the command
+    modules)."""
+    from . import design, memory, snr, tables  # noqa: F401  (each registers its commands on the group)
+    from ._options import cli
+
+    return cli
+
+
+def __getattr__(name: str) -> Any:
+    if name == "cli":  # the group, loaded on first use like the commands it holds
+        return commands()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _fail(message: str) -> None:
+    import click
+
+    from ._options import PROG
+
     click.echo(f"{PROG}: error: {message}", err=True)
     sys.exit(2)
 
@@ -47,14 +68,21 @@ def for_shell(message: str) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2.
+    """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2, and
+    Ctrl-C (from the first moment, while the modules import) into one line and exit status 130.
 
     Args:
         argv: the arguments (default: ``sys.argv[1:]``)
     """
+    with _interrupt_exits():
+        group = commands()
+    import click
+
+    from ._options import PROG, Interrupted, short_help
+
     try:
         with _interrupts_kept():
-            cli.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
+            group.main(args=list(argv) if argv is not None else None, prog_name=PROG, standalone_mode=False)
     except click.exceptions.Exit as exc:
         sys.exit(exc.exit_code)
     except click.Abort as exc:
@@ -69,9 +97,38 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail(exc.format_message().replace("\n", " "))
     except FewBitError as exc:
         _fail(for_shell(str(exc)))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         _interrupted()
     sys.exit(0)
+
+
+@contextlib.contextmanager
+def _interrupt_exits() -> Iterator[None]:
+    """While the command's modules import (click, numpy, the commands: up to a second on a cold start), Ctrl-C ends
+    the process at once: one line and exit status 130. A KeyboardInterrupt raised there would surface from deep in
+    an import, or be lost in a library's ``except BaseException``; nothing is written yet, so there is nothing to
+    clean up. Only in the main thread, and only where SIGINT has Python's default handler (an ignored SIGINT, as in a
+    background job, stays ignored)."""
+    installed = False
+    if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        with contextlib.suppress(ValueError):  # ValueError: not the main thread, whose signals are not ours
+            signal.signal(signal.SIGINT, _exit_interrupted)
+            installed = True
+    try:
+        yield
+    finally:
+        if installed:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
+def _exit_interrupted(signum: int, frame: Any) -> None:
+    os.write(2, _interrupted_line(os.isatty(2)))
+    os._exit(130)
+
+
+def _interrupted_line(terminal: bool) -> bytes:
+    """The one line of Ctrl-C; on a terminal after a line break, which ends the ``^C`` the terminal echoed."""
+    return (b"\n" if terminal else b"") + _INTERRUPTED
 
 
 @contextlib.contextmanager
@@ -104,6 +161,8 @@ def _interrupt_main_soon() -> None:
 def _interrupted() -> None:
     """Ctrl-C: one line and exit status 130. Clean-up has run on the way here (temporary files, worker processes);
     a further Ctrl-C while exiting is ignored rather than printed as a traceback."""
+    import click
+
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    click.echo(f"{PROG}: interrupted", err=True)
+    click.echo(_interrupted_line(sys.stderr.isatty()).decode(), err=True, nl=False)
     sys.exit(130)

@@ -20,10 +20,19 @@ from typing import Any
 import click
 
 from ..errors import FewBitError, parse_budget
-from ..table import check_outputs, write_bytes_atomic, write_text_atomic
+from ..output_files import check_outputs, write_bytes_atomic, write_files_atomic
+from ..plots import figure_bytes, figure_format
 from ._options import cli
 
-__all__ = ["memory", "plot_plan", "load_factory", "parse_shape", "example_inputs", "check_model_runs"]
+__all__ = [
+    "memory",
+    "plot_plan",
+    "plan_figure_bytes",
+    "load_factory",
+    "parse_shape",
+    "example_inputs",
+    "check_model_runs",
+]
 
 #: Largest size of a tensor dimension and of a whole example input, in elements (torch counts them in int64).
 MAX_ELEMENTS = 2**62
@@ -217,16 +226,21 @@ def _draw_timeline(timeline: Any, data: dict[str, Any], mib: float) -> None:
 
 
 def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> None:
-    """Draw ``plan``'s figure: a stacked bar of memory at the end of the forward pass by technique (unconverted
-    against the plan), and the live bytes over one step (predicted; measured too after ``plan.measure``, on the same
-    x axis: the operators of the measured step, with both peaks marked)."""
-    import io
+    """Draw ``plan``'s figure (:func:`plan_figure_bytes`) and write it to ``path``; its suffix names the format."""
+    write_bytes_atomic(path, plan_figure_bytes(plan, path), force=force)
 
+
+def plan_figure_bytes(plan: Any, path: str | os.PathLike) -> bytes:
+    """``plan``'s figure in the format of ``path`` (only its name is used): a stacked bar of memory at the end of
+    the forward pass by technique (unconverted against the plan), and the live bytes over one step (predicted;
+    measured too after ``plan.measure``, on the same x axis: the operators of the measured step, with both peaks
+    marked)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    figure_format(path, option="--plot")
     data = plan.figure_data()
     mib = 2.0**20
     figure, (bars, timeline) = plt.subplots(1, 2, figsize=(12, 4.5), gridspec_kw={"width_ratios": [1, 2]})
@@ -245,11 +259,10 @@ def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> Non
     bars.set_title("memory by technique")
     _draw_timeline(timeline, data, mib)
     figure.tight_layout()
-    buffer = io.BytesIO()
-    suffix = os.path.splitext(os.fspath(path))[1].lstrip(".") or "png"
-    figure.savefig(buffer, format=suffix, dpi=120)
-    plt.close(figure)
-    write_bytes_atomic(path, buffer.getvalue(), force=force)
+    try:
+        return figure_bytes(figure, path)
+    finally:
+        plt.close(figure)
 
 
 @cli.command("memory")
@@ -285,7 +298,7 @@ def plot_plan(plan: Any, path: str | os.PathLike, *, force: bool = False) -> Non
 )
 @click.option("--chain", default=None, help="Qualified name of the Sequential/ModuleList to plan over.")
 @click.option("--measure", is_flag=True, help="Apply the plan to a fresh model and measure one step.")
-@click.option("--plot", "plot_path", default=None, help="Write the figure (png, pdf, svg).")
+@click.option("--plot", "plot_path", default=None, help="Write the figure (.png, .pdf, .svg, .jpg).")
 @click.option("--save", "save_path", default=None, help="Write the plan as JSON.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def memory(
@@ -295,8 +308,8 @@ def memory(
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
     budget_value = None if budget is None else parse_budget(budget, name="--budget")  # the planner's own syntax
-    if plot_path is not None and os.path.splitext(plot_path)[1].lower() not in (".png", ".pdf", ".svg"):
-        raise FewBitError(f"--plot must end in .png, .pdf or .svg, got {plot_path!r}")
+    if plot_path is not None:
+        figure_format(plot_path, option="--plot")
     check_outputs({"--save": save_path, "--plot": plot_path}, force=force)
     if vocab is not None and not 1 <= vocab <= 2**63 - 1:
         raise FewBitError(f"--vocab must be a positive integer below 2**63 (int64 token ids), got {vocab}")
@@ -328,9 +341,13 @@ def memory(
             "give a smaller --input-shape"
         ) from None
     click.echo(plan.report())
+    files = {}
     if save_path is not None:
-        write_text_atomic(save_path, plan.to_json(), force=force)
+        files[save_path] = plan.to_json().encode()
+    if plot_path is not None:
+        files[plot_path] = plan_figure_bytes(plan, plot_path)
+    write_files_atomic(files, force=force)
+    if save_path is not None:
         click.echo(f"plan written to {save_path}")
     if plot_path is not None:
-        plot_plan(plan, plot_path, force=force)
         click.echo(f"figure written to {plot_path}")

@@ -18,24 +18,38 @@ from __future__ import annotations
 import csv
 import io
 import sys
-from pathlib import Path
 from typing import Any
 
 import click
 import numpy as np
 
 from ..design import snr as theory
-from ..errors import FewBitError, check_choice, check_positive, parse_int_spec
-from ..table import check_outputs, write_bytes_atomic, write_text_atomic
+from ..errors import FewBitError, check_choice, check_integer, check_positive, parse_int_spec
+from ..output_files import check_outputs, write_files_atomic
+from ..plots import figure_bytes, figure_format
 from ._options import WEIGHT_KINDS, cli, fold_option
 
 ARCHS = ("layerwise", "hybrid", "both")
 DTYPES = ("float32", "float64")
-FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 CSV_COLUMNS = ("panel", "arch", "slope", "rho", "depth", "index", "layer", "kind", "measured", "theory")
 
 
+# Limits of the reconstruction mode, far beyond the figure's toy networks (the defaults) and within a few GiB of
+# memory. Each leaky ReLU's inverse loses 10 log10((1 + n²)² / 4n²) dB: 74 dB at n = 1e-4 or 1e4, so that after a few
+# layers even float64 (about 300 dB) keeps nothing of the input, and far beyond, the noise injection overflows. The
+# weights grow with channels² x depth (4.5 channels² per unit: 75 M at 256 channels and depth 256); the measurement
+# keeps every layer's input: measured, about 30 bytes per value of batch x channels x size² x depth in float32 and
+# 120 with the hybrid in float64, so 2 GiB at MAX_VALUES.
+SLOPE_RANGE = (1e-4, 1e4)
+MAX_CHANNELS = 256
+MAX_BATCH = 1024
+MAX_SIZE = 1024
+MAX_VALUES = 2**24  # batch x channels x size² x the largest depth
+MAX_SEED = 2**32 - 1
+
+
 def _parse_slopes(text: str) -> list[float]:
+    low, high = SLOPE_RANGE
     slopes = []
     for part in str(text).split(","):
         if not part.strip():
@@ -44,7 +58,10 @@ def _parse_slopes(text: str) -> list[float]:
             value = float(part)
         except ValueError:
             raise FewBitError(f"--slope must be a comma-separated list of numbers > 0, got {text!r}") from None
-        slopes.append(check_positive("--slope value", value))
+        value = check_positive("--slope value", value)
+        if not low <= value <= high:
+            raise FewBitError(f"--slope values must be from {low:g} to {high:g}, got {part.strip()}")
+        slopes.append(value)
     return sorted(set(slopes))
 
 
@@ -77,15 +94,19 @@ def _import_torch() -> Any:
     callback=fold_option(("levelsets", "intervals")),
     help="Approximation mode: design mode.",
 )
-@click.option("--slope", default=None, help="Leaky-ReLU negative slopes [default: 0.1,0.2,0.5].")
-@click.option("--depth", default=None, help="Depths (units or blocks) to measure, e.g. 1-64 [default: 1,2,4,8,16].")
+@click.option("--slope", default=None, help="Leaky-ReLU negative slopes, 1e-4 to 1e4 [default: 0.1,0.2,0.5].")
+@click.option("--depth", default=None, help="Depths (units or blocks), 1 to 256, e.g. 1-64 [default: 1,2,4,8,16].")
 @click.option("--arch", default=None, callback=fold_option(ARCHS), help="layerwise, hybrid or both [default: both].")
-@click.option("--channels", type=int, default=None, help="Channels after the stem [default: 8].")
-@click.option("--batch", type=int, default=None, help="Batch size of the measurement [default: 4].")
-@click.option("--size", type=int, default=None, help="Height and width of the input [default: 8].")
+@click.option(
+    "--channels", type=int, default=None, help="Channels after the stem, 4 to 256, divisible by 4 [default: 8]."
+)
+@click.option("--batch", type=int, default=None, help="Batch size of the measurement, 1 to 1024 [default: 4].")
+@click.option("--size", type=int, default=None, help="Height and width of the input, even, 2 to 1024 [default: 8].")
 @click.option("--dtype", default=None, callback=fold_option(DTYPES), help="float32 or float64 [default: float32].")
-@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs.")
-@click.option("--out", "out", required=True, type=click.Path(dir_okay=False), help="Figure file (.png, .pdf, .svg).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Seed of weights and inputs, 0 to 2**32 - 1.")
+@click.option(
+    "--out", "out", required=True, type=click.Path(dir_okay=False), help="Figure file (.png, .pdf, .svg, .jpg)."
+)
 @click.option("--csv", "csv_path", default=None, type=click.Path(dir_okay=False), help="Also write the numbers.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def snr_command(
@@ -117,11 +138,13 @@ def snr_command(
     layer gamma = [1, rho] vs rho, (c) SNR of every reconstructed layer at the largest depth, (d) SNR of the
     reconstructed network input vs depth. CSV columns: panel, arch, slope, rho, depth, index, layer, kind,
     measured, theory (alpha for panels a-b, dB for c-d).
+
+    The limits keep one measurement within a few GiB and the numbers meaningful: every layer's input is kept, so
+    batch x channels x size² x the largest depth is at most 2**24 values (the defaults: 2**15); the weights grow
+    with channels²; beyond slopes 1e-4 and 1e4 each leaky ReLU loses over 74 dB and nothing of the input is left.
     """
-    if Path(out).suffix.lower() not in FIGURE_SUFFIXES:
-        raise FewBitError(f"--out must end in {', '.join(FIGURE_SUFFIXES)}, got {out!r}")
-    outputs = check_outputs({"--out": out, "--csv": csv_path}, force=force)
-    out_path, csv_file = outputs["--out"], outputs["--csv"]
+    figure_format(out, option="--out")
+    check_outputs({"--out": out, "--csv": csv_path}, force=force)
     if bits is not None or activations:
         given = {
             "--slope": slope,
@@ -145,46 +168,39 @@ def snr_command(
         arch_name = check_choice("--arch", arch if arch is not None else "both", ARCHS)
         archs = ["layerwise", "hybrid"] if arch_name == "both" else [arch_name]
         dtype_name = check_choice("--dtype", dtype if dtype is not None else "float32", DTYPES)
-        width = _positive_int("--channels", channels, 8)
-        if width % 4:
-            raise FewBitError(f"--channels must be divisible by 4 (the hybrid splits twice), got {width}")
-        rows, figure = _reconstruction(
-            slopes,
-            depths,
-            archs,
-            channels=width,
-            batch=_positive_int("--batch", batch, 4),
-            size=_even_size(size),
-            dtype=dtype_name,
-            seed=seed,
-        )
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format=out_path.suffix.lstrip(".").lower(), dpi=120)
-    import matplotlib.pyplot as plt
-
-    plt.close(figure)
-    write_bytes_atomic(out_path, buffer.getvalue(), force=force)
-    if csv_file is not None:
+        network = _network_size(channels, batch, size, max(depths))
+        seed = check_integer("--seed", seed, low=0, high=MAX_SEED)
+        rows, figure = _reconstruction(slopes, depths, archs, **network, dtype=dtype_name, seed=seed)
+    files = {out: figure_bytes(figure, out)}
+    _pyplot().close(figure)
+    if csv_path is not None:
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=CSV_COLUMNS if rows and "panel" in rows[0] else list(rows[0]))
         writer.writeheader()
         writer.writerows(rows)
-        write_text_atomic(csv_file, text.getvalue(), force=force)
-    click.echo(f"wrote {out_path}" + (f" and {csv_file}" if csv_file is not None else ""))
+        files[csv_path] = text.getvalue().encode()
+    write_files_atomic(files, force=force)
+    click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path is not None else ""))
 
 
-def _positive_int(name: str, value: int | None, default: int) -> int:
-    value = default if value is None else value
-    if value < 1:
-        raise FewBitError(f"{name} must be >= 1, got {value}")
-    return value
-
-
-def _even_size(size: int | None) -> int:
-    size = 8 if size is None else size
-    if size < 2 or size % 2:
+def _network_size(channels: int | None, batch: int | None, size: int | None, depth: int) -> dict[str, int]:
+    """--channels, --batch and --size (defaults 8, 4, 8) checked against their ranges, and the values one
+    measurement keeps against :data:`MAX_VALUES`."""
+    channels = check_integer("--channels", 8 if channels is None else channels, low=4, high=MAX_CHANNELS)
+    if channels % 4:
+        raise FewBitError(f"--channels must be divisible by 4 (the hybrid splits twice), got {channels}")
+    batch = check_integer("--batch", 4 if batch is None else batch, low=1, high=MAX_BATCH)
+    size = check_integer("--size", 8 if size is None else size, low=2, high=MAX_SIZE)
+    if size % 2:
         raise FewBitError(f"--size must be an even number >= 2 (the batch pooling stacks 2x2 blocks), got {size}")
-    return size
+    values = batch * channels * size * size * depth
+    if values > MAX_VALUES:
+        raise FewBitError(
+            f"--batch x --channels x --size² x the largest --depth is {batch} x {channels} x {size}² x {depth} = "
+            f"{values} values, over the limit of 2**24 = {MAX_VALUES} (every layer's input is kept: about 2 GiB at "
+            "the limit); give smaller values"
+        )
+    return {"channels": channels, "batch": batch, "size": size}
 
 
 def _pyplot() -> Any:

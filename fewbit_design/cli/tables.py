@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import click
 
 from ..errors import FewBitError, parse_int_spec
-from ..table import check_outputs
+from ..output_files import check_outputs, write_files_atomic
+from ..plots import figure_format
 from ._options import WEIGHT_KINDS, cli, weight_options
 
 # Activations of the default `curves` figure: the paper's Table 1 and the other smooth ones.
@@ -163,7 +163,9 @@ def _param_dict(params: tuple[str, ...]) -> dict[str, Any]:
 @click.option("--mode", type=click.Choice(["levelsets", "intervals"]), default="levelsets", show_default=True)
 @weight_options
 @click.option("--param", "params", multiple=True, metavar="KEY=VALUE", help="Activation parameter (repeatable).")
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="Figure file to write (.png, .pdf, .svg, .jpg)."
+)
 @click.option("--force", is_flag=True, help="Overwrite --out if it exists.")
 def plot_command(activation, bits_spec, mode, weight, loc, scale, df, samples, design_range, params, out, force):
     """One panel per bit width: f'(x), the step function q(x), the weight shaded, the error in the title."""
@@ -172,12 +174,14 @@ def plot_command(activation, bits_spec, mode, weight, loc, scale, df, samples, d
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bound = bind(activation, _param_dict(params))
     kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
+    figure_format(out, option="--out")
     check_outputs({"--out": out}, force=force)
     tables = [get_table(bound, bits, mode, kwargs) for bits in bits_list]
     from ..design.weights import make_weight
-    from ..plots import plot_bits_grid
+    from ..plots import bits_grid_figure, figure_bytes
 
-    plot_bits_grid(tables, bound, make_weight(**_weight_only(kwargs)), out, force=force)
+    figure = bits_grid_figure(tables, bound, make_weight(**_weight_only(kwargs)))
+    write_files_atomic({out: figure_bytes(figure, out)}, force=force)
     click.echo(f"wrote {out}")
 
 
@@ -190,7 +194,9 @@ def _weight_only(kwargs: dict[str, Any]) -> dict[str, Any]:
 @click.argument("activations", nargs=-1)
 @click.option("--bits", "bits_spec", default="1-8", show_default=True, help="A number, a range 1-8 or a list 1,3,4.")
 @weight_options
-@click.option("--out", required=True, type=click.Path(dir_okay=False), help="PNG file to write.")
+@click.option(
+    "--out", required=True, type=click.Path(dir_okay=False), help="Figure file to write (.png, .pdf, .svg, .jpg)."
+)
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), default=None, help="Also write the numbers as CSV.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
 def curves_command(activations, bits_spec, weight, loc, scale, df, samples, design_range, out, csv_path, force):
@@ -200,6 +206,7 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
     bits_list = parse_int_spec(bits_spec, name="--bits")
     bounds = [bind(name) for name in (activations or DEFAULT_CURVES)]
     kwargs = weight_kwargs(weight, loc, scale, df, samples, design_range)
+    figure_format(out, option="--out")
     check_outputs({"--out": out, "--csv": csv_path}, force=force)
     rows = []
     for bound in bounds:
@@ -217,11 +224,13 @@ def curves_command(activations, bits_spec, weight, loc, scale, df, samples, desi
                     }
                 )
     click.echo(format_curves_table(rows, bits_list))
-    from ..plots import plot_curves
+    from ..plots import curves_figure, figure_bytes
 
-    plot_curves(rows, out, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]", force=force)
+    figure = curves_figure(rows, title=f"weight: {weight} on [{design_range[0]:g}, {design_range[1]:g}]")
+    files = {out: figure_bytes(figure, out)}
     if csv_path:
-        write_curves_csv(rows, csv_path, force=force)
+        files[csv_path] = curves_csv(rows).encode()
+    write_files_atomic(files, force=force)
     click.echo(f"wrote {out}" + (f" and {csv_path}" if csv_path else ""))
 
 
@@ -240,13 +249,12 @@ def format_curves_table(rows: list[dict[str, Any]], bits_list: list[int]) -> str
     return "\n".join(lines).rstrip()
 
 
-def write_curves_csv(rows: list[dict[str, Any]], path: str, *, force: bool) -> None:
-    from ..table import write_text_atomic
-
+def curves_csv(rows: list[dict[str, Any]]) -> str:
+    """The rows of ``curves`` as CSV text: activation, mode, symmetric, bits, error, snr_db."""
     header = "activation,mode,symmetric,bits,error,snr_db"
     lines = [header] + [
         f"{r['activation']},{r['mode']},{str(r['symmetric']).lower()},{r['bits']},{r['error']:.12g},"
         + ("" if r["snr_db"] is None else f"{r['snr_db']:.6f}")
         for r in rows
     ]
-    write_text_atomic(Path(path), "\n".join(lines) + "\n", force=force)
+    return "\n".join(lines) + "\n"

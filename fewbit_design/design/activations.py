@@ -360,6 +360,7 @@ class _UserFunction:
 
     def __init__(self, spec: str, fn: Callable[..., Any], kwargs: Mapping[str, object], use_torch: bool):
         self.spec = spec
+        self.name = spec.partition(":")[2].strip()  # the function, as the user named it
         self.fn = fn
         self.kwargs = dict(kwargs)
         self.torch_forward = False
@@ -375,32 +376,60 @@ class _UserFunction:
             return self.fn(argument, **self.kwargs)
         except FewBitError:
             raise
+        except SystemExit as exc:
+            raise self._exited(exc) from None
         except Exception as exc:  # the user's code may raise anything
             raise self._fail(f"calling it failed: {type(exc).__name__}: {exc}") from None
+
+    def _exited(self, exc: SystemExit) -> FewBitError:
+        """The user's code ending the process would end the command without a word."""
+        return self._fail(f"{self.name}(x) called sys.exit({exc.code!r}) instead of returning f(x)")
 
     def _probe_torch(self) -> None:
         import torch
 
-        x = torch.linspace(-3.0, 3.0, 7, dtype=torch.float64, requires_grad=True)
-        try:
-            y = self.fn(x, **self.kwargs)
+        leaf = torch.linspace(-3.0, 3.0, 7, dtype=torch.float64, requires_grad=True)
+        try:  # on a copy: an in-place operation on x (x.mul_(2), x += 1) is then fine for autograd too
+            y = self.fn(leaf.clone(), **self.kwargs)
+        except SystemExit as exc:
+            raise self._exited(exc) from None
         except Exception:  # e.g. a numpy function that cannot take a tensor requiring grad
             return
-        if isinstance(y, torch.Tensor) and y.shape == x.shape:
+        if y is None:  # the same with numpy arrays, or an error about torch methods on them
+            self._check(y, leaf.detach().numpy(), f"{self.name}(x)")
+        if isinstance(y, torch.Tensor) and y.shape == leaf.shape and not y.is_complex():
             self.torch_forward = True
             self.use_autograd = y.requires_grad
 
     def _check(self, y: Any, x: np.ndarray, what: str) -> np.ndarray:
-        try:
-            y = np.asarray(y.detach().cpu().numpy() if hasattr(y, "detach") else y, dtype=np.float64)
-        except (TypeError, ValueError, RuntimeError) as exc:
-            raise self._fail(f"{what} is not an array of numbers ({exc})") from None
+        y = self._real_array(y, x, what)
         if y.shape != x.shape:
-            raise self._fail(f"{what} has shape {y.shape}, expected {x.shape} (the shape of its input)")
+            count = "a single number" if y.ndim == 0 else f"shape {y.shape}"
+            raise self._fail(
+                f"{what} returned {count} for an x of shape {x.shape}: f must act elementwise, one value per element "
+                "of x"
+            )
         if not np.all(np.isfinite(y)):
             bad = x[~np.isfinite(y)].ravel()[0] if x.ndim else x
             raise self._fail(f"{what} is not finite at x={float(bad):g}")
         return y
+
+    def _real_array(self, y: Any, x: np.ndarray, what: str) -> np.ndarray:
+        """``y`` as a float64 array; None, complex values or what is not numbers at all is one clear error."""
+        expected = f"it must return f(x), an array of real numbers of x's shape {x.shape}"
+        if y is None:
+            raise self._fail(
+                f"{what} returned None: {expected} (in-place operations such as x.mul_(2) or x.sort() return None)"
+            )
+        if hasattr(y, "detach"):
+            y = y.detach().cpu().numpy()
+        if np.iscomplexobj(y):
+            raise self._fail(f"{what} returned complex numbers: {expected}")
+        try:
+            return np.asarray(y, dtype=np.float64)
+        except (TypeError, ValueError, RuntimeError):
+            kind = f"an array of dtype {y.dtype}" if isinstance(y, np.ndarray) else f"a {type(y).__name__}"
+            raise self._fail(f"{what} returned {kind}, not numbers: {expected}") from None
 
     def check_range(self, low: float, high: float, params: Params) -> None:
         """Refuse an f that is discontinuous or has an unbounded derivative on [low, high].
@@ -456,7 +485,7 @@ class _UserFunction:
                 y = self._call(torch.from_numpy(np.array(x, dtype=np.float64)))
         else:
             y = self._call(np.array(x, dtype=np.float64))
-        return self._check(y, x, "f(x)")
+        return self._check(y, x, f"{self.name}(x)")
 
     def df(self, x: np.ndarray, params: Params) -> np.ndarray:
         if not self.use_autograd:
@@ -465,9 +494,9 @@ class _UserFunction:
 
         t = torch.tensor(x, dtype=torch.float64, requires_grad=True)
         with torch.enable_grad():
-            y = self._call(t)
-            if not isinstance(y, torch.Tensor) or y.shape != t.shape:
-                self._check(y, x, "f(x)")
+            y = self._call(t.clone())  # a copy, which an in-place operation may change (see _probe_torch)
+            if not isinstance(y, torch.Tensor) or y.shape != t.shape or y.is_complex():
+                self._check(y, x, f"{self.name}(x)")
             if not y.requires_grad:  # constant for these inputs
                 return np.zeros_like(x)
             try:
@@ -501,6 +530,10 @@ def from_module(spec: str, params: Mapping[str, object] | None = None) -> BoundA
         module = importlib.import_module(module_name)
     except ImportError as exc:
         raise FewBitError(f"activation module {spec!r}: cannot import {module_name!r} ({exc})") from None
+    except SystemExit as exc:  # the user's module ending the process would end the command without a word
+        raise FewBitError(
+            f"activation module {spec!r}: importing {module_name!r} called sys.exit({exc.code!r})"
+        ) from None
     except Exception as exc:  # the user's module may raise anything on import
         raise FewBitError(f"activation module {spec!r}: importing {module_name!r} failed: "
                           f"{type(exc).__name__}: {exc}") from None  # fmt: skip

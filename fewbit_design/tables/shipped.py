@@ -27,7 +27,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import FewBitError
-from ..table import INDEX_FORMAT, Table, check_index, load, parse_json, read_table_text, write_text_atomic
+from ..output_files import write_text_atomic
+from ..table import INDEX_FORMAT, Table, check_index, load, parse_json, read_table_text
 
 __all__ = [
     "INDEX_FORMAT",

@@ -1,6 +1,6 @@
-"""The figures of `fewbit-design plot` and `curves` read at a glance (issue 24 item 4): their structure, not pixels.
+"""The figures of `fewbit-design plot` and `curves` read at a glance: their structure, not pixels.
 
-Each test runs the command and keeps the figure it saves (``plots.save_figure`` is wrapped), then checks axes,
+Each test runs the command and keeps the figure it renders (``plots.figure_bytes`` is wrapped), then checks axes,
 labels, legends and lines: the weight is a labelled density curve on its own axis (it was a grey band on an axis
 without ticks or label), and in ``curves`` every activation has its own marker and line style, with one legend
 outside the panels (gelu and silu coincided, and the legend sat on the data).
@@ -18,15 +18,15 @@ WEIGHT_AXIS_LABEL = "weight w(x) (density)"
 
 @pytest.fixture
 def figures(monkeypatch):
-    """The figures the command saves, in order (they are still written)."""
+    """The figures the command renders, in order (they are still written)."""
     saved = []
-    original = plots.save_figure
+    original = plots.figure_bytes
 
-    def keep(figure, path, *, force=False):
+    def keep(figure, path):
         saved.append(figure)
-        return original(figure, path, force=force)
+        return original(figure, path)
 
-    monkeypatch.setattr(plots, "save_figure", keep)
+    monkeypatch.setattr(plots, "figure_bytes", keep)
     return saved
 
 

@@ -1,5 +1,5 @@
-"""Ctrl-C (SIGINT to the terminal's process group) stops ``fewbit-design`` at once (issue 20, item 11 and the signal
-test of "Done when"): within 5 s, exit status 130 and one line, no worker process left, no temporary or partial file.
+"""Ctrl-C (SIGINT to the terminal's process group) stops ``fewbit-design`` at once: within 5 s, exit status 130 and
+one line, no worker process left, no temporary or partial file.
 
 Each run is a fresh interpreter in its own session that prints ``ready`` once the CLI is imported (a Ctrl-C during
 Python's own start-up is not the CLI's to handle), then runs the command; SIGINT goes to the whole group, as a
@@ -8,6 +8,7 @@ terminal sends it, at a few moments after ``ready``.
 
 from __future__ import annotations
 
+import importlib
 import math
 import os
 import signal
@@ -39,11 +40,13 @@ def live_processes(session: int) -> list[str]:
     return found
 
 
-def interrupt(args: list[str], delays: list[float], cwd: Path) -> tuple[int, str, float, list[str]]:
+def interrupt(
+    args: list[str], delays: list[float], cwd: Path, script: str = SCRIPT
+) -> tuple[int, str, float, list[str]]:
     """Run the CLI, send SIGINT to its process group ``delays`` seconds after ``ready`` (one signal per delay); return
     (exit status, stderr, seconds from the first signal to the exit, processes of the session still running)."""
     process = subprocess.Popen(
-        [sys.executable, "-c", SCRIPT, *args],
+        [sys.executable, "-c", script, *args],
         cwd=cwd,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -139,3 +142,71 @@ def test_a_ctrl_c_swallowed_by_a_finalizer_still_stops_the_command(tmp_path, mon
     assert exit_info.value.code == 130
     assert capsys.readouterr().err.rstrip("\n").splitlines()[-1] == "fewbit-design: interrupted"
     assert not out.exists() and temporary_files(tmp_path) == []
+
+
+@pytest.mark.parametrize("delay", [0.0, 0.05, 0.1, 0.2, 0.5])
+def test_ctrl_c_in_the_first_half_second_is_one_line_and_exit_130(tmp_path, delay):
+    # ``ready`` comes once `fewbit_design.cli` is imported, which loads the standard library only: these signals
+    # land while main() imports click, numpy and the commands (about half a second), then in the design
+    args = ["gelu", "--bits", "8", "--out", str(tmp_path / "gelu.json"), "--plot", str(tmp_path / "gelu.png")]
+    code, stderr, seconds, left = interrupt(args, [delay], tmp_path)
+    assert code == 130, stderr
+    assert stderr == "fewbit-design: interrupted\n"
+    assert seconds < 5.0 and left == []
+    assert sorted(path.name for path in tmp_path.iterdir()) == []  # no output, no temporary file
+
+
+# Ctrl-C at a chosen moment of the imports, not at a time: a meta-path finder sends SIGINT to its own process when
+# the module ``sys.argv[1]`` starts importing, then the console script runs as `fewbit-design` does.
+CTRL_C_ON_IMPORT = """
+import os, signal, sys
+
+class CtrlCOnImport:
+    def find_spec(self, name, path=None, target=None):
+        if name == sys.argv[1]:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, CtrlCOnImport())
+from fewbit_design.cli import main
+sys.exit(main(sys.argv[2:]))
+"""
+
+
+@pytest.mark.parametrize("module", ["click", "numpy", "fewbit_design.cli.snr", "scipy"])
+def test_ctrl_c_while_a_module_imports_is_one_line_and_exit_130(tmp_path, module):
+    # click, numpy and the command modules were imported with `fewbit_design.cli`, before main() could handle a
+    # Ctrl-C: a KeyboardInterrupt traceback from inside the import and death by SIGINT (status -2)
+    args = ["gelu", "--bits", "8", "--out", str(tmp_path / "gelu.json"), "--plot", str(tmp_path / "gelu.png")]
+    result = subprocess.run(
+        [sys.executable, "-c", CTRL_C_ON_IMPORT, module, *args],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert (result.returncode, result.stderr) == (130, "fewbit-design: interrupted\n")
+    assert result.stdout == "" and sorted(path.name for path in tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("before", ["default", "ignored"])
+def test_the_import_handler_is_there_only_while_the_modules_import(monkeypatch, capsys, before):
+    # An ignored SIGINT (a background job) stays ignored; otherwise Ctrl-C exits at once during the imports only.
+    cli_main = importlib.import_module("fewbit_design.cli.main")
+    initial = signal.default_int_handler if before == "default" else signal.SIG_IGN
+    signal.signal(signal.SIGINT, initial)
+    seen = []
+    real_commands = cli_main.commands
+
+    def commands():
+        seen.append(signal.getsignal(signal.SIGINT))
+        return real_commands()
+
+    monkeypatch.setattr(cli_main, "commands", commands)
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main.main(["list"])
+    assert exit_info.value.code == 0, capsys.readouterr().err
+    assert seen == [cli_main._exit_interrupted if before == "default" else signal.SIG_IGN]
+    assert signal.getsignal(signal.SIGINT) is initial

@@ -156,7 +156,7 @@ class Plan:
     def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
         """Write :meth:`to_json` to ``path`` atomically (never a partial file); ``force=False`` refuses to replace
         an existing file."""
-        from ...table import write_text_atomic
+        from ...output_files import write_text_atomic
 
         write_text_atomic(path, self.to_json(), force=force)
 
