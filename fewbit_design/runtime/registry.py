@@ -55,8 +55,11 @@ class Technique:
         name: its identifier in option names (``"blpa+fewbit"``), plan files, ``allow=`` and the CLI.
         summary: one line for reports and ``--help``.
         seam: one of :data:`SEAMS`.
-        exact: whether gradients are unchanged (up to rounding). The planner uses an inexact technique only where
-            the budget needs it unless the user allows it (``approximate=``).
+        exact: whether gradients are unchanged (up to rounding) in the technique's default settings. The planner
+            uses an inexact technique only where the budget needs it unless the user allows it (``approximate=``);
+            it reads :meth:`is_exact`, which asks ``exact_in`` for a technique whose settings choose a mode.
+        exact_in: ``exact_in(config)``, whether gradients are exact under ``config`` (gated's ``"compressed"`` mode
+            is approximate, its ``"exact"`` mode exact). Default: ``exact`` whatever the config.
         config: the technique's config from a plan's settings (it reads its own keys, with its defaults).
         apply: ``apply(block, config)`` changes one block for the ``module`` and ``wrapper`` seams (in place where it
             can) and returns the block now at its place; for the ``region`` seam it is ``apply(model, blocks,
@@ -90,6 +93,7 @@ class Technique:
     check: Callable[[torch.nn.Module, Any], None] | None = None
     changes: Callable[[torch.nn.Module, Any], bool] | None = None
     cost: Callable[[Any, Mapping[str, int]], Any] = _unchanged
+    exact_in: Callable[[Any], bool] | None = None
     excludes: frozenset[str] = field(default_factory=frozenset)
     settings: Mapping[str, Any] = field(default_factory=dict)
 
@@ -98,6 +102,14 @@ class Technique:
             raise ValueError(f"technique {self.name!r}: seam must be one of {SEAMS}, got {self.seam!r}")
         if (self.seam == "region") != (self.region is not None):
             raise ValueError(f"technique {self.name!r}: a region is given exactly for the 'region' seam")
+
+    def is_exact(self, settings: Mapping[str, Any]) -> bool:
+        """Whether this technique keeps gradients exact under a plan's ``settings`` (its configured mode).
+
+        Args:
+            settings: a plan's settings (the technique reads its own keys, with its defaults)
+        """
+        return self.exact if self.exact_in is None else bool(self.exact_in(self.config(settings)))
 
     def changes_block(self, block: torch.nn.Module, config: Any) -> bool:
         """Whether applying this technique changes ``block`` (see ``changes``); ``block`` itself is not changed."""

@@ -1,5 +1,6 @@
 """Checkpointing as the planner sees it: the block keeps only its input in forward and runs its forward again in
-backward (exact gradients). Its cost model: the block saves its input (for the recomputation) and not its output;
+backward (exact gradients). Its cost model: the block saves its input and holds its other arguments (for the
+recomputation) and not its output;
 what the block's inner option keeps counts during its own backward only (the profiler measured it that way)."""
 
 from __future__ import annotations
@@ -27,7 +28,8 @@ def _apply(block: torch.nn.Module, config: None) -> torch.nn.Module:
 
 
 def _cost(cost: Any, facts: Mapping[str, int]) -> Any:
-    return replace(cost, saves_input=True, saves_output=False)  # a checkpoint holds its input for recomputation
+    # a checkpoint holds its input, and its other arguments (position ids, masks), for the recomputation
+    return replace(cost, saves_input=True, saves_output=False, holds_arguments=True)
 
 
 TECHNIQUE = Technique(

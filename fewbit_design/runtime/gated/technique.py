@@ -3,8 +3,8 @@ gate and up for backward and recomputes the rest (exact gradients), or, in compr
 and up, recomputing act(gate) and act'(gate) from gate's (approximate gradients). Config: the plan's ``gated_mode``
 (``"exact"``, the default, or ``"compressed"``) and ``gated_bits`` (K, 2 to 8, default 8; read in compressed mode).
 
-``exact`` below is the default mode's: the compressed mode is opt-in through ``gated_mode``, which the planner never
-sets by itself."""
+``exact`` below is the default mode's; ``exact_in`` gives the configured mode's (the compressed mode, opt-in through
+``gated_mode``, is approximate), which is what the planner reads."""
 
 from __future__ import annotations
 
@@ -39,6 +39,7 @@ TECHNIQUE = Technique(
     summary="gated MLPs (SwiGLU, GeGLU, fused gate_up) that keep x, gate and up and recompute the rest in backward",
     seam="module",
     exact=True,
+    exact_in=lambda config: config[0] == "exact",
     config=_config,
     apply=_apply,
     settings={"gated_mode": "exact", "gated_bits": 8},

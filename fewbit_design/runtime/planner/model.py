@@ -23,13 +23,18 @@ the loss and the modules after it peak ``post_forward_peak`` above the chain's e
 when the chain's backward starts (the gradient of x_n among them); after the chain's backward, the modules before
 it peak at ``pre_backward_peak`` (absolute; the same for every plan, since all the chain holds is freed by then).
 
+The blocks' other arguments (position ids, masks: the tensors a block receives besides its hidden state) are alive
+from before the chain; the plain step frees some after the chain's forward (``argument_bytes``, folded into
+``post_forward_peak``/``post_bytes``). An option that holds them (a checkpoint, for its recomputation) keeps them
+alive until its own backward is done: from the chain's exit to the backward of the lowest-index block that holds them.
+
 The optimiser (:func:`optimise`) is exact: a dynamic program over the blocks, left to right, whose state is the
-option of the last block chosen and Q_i, the bytes that blocks before i hold through the whole forward pass; for
-each state it keeps the Pareto front of (Q_i, time). Every peak event of the step is Q_i plus terms that depend
-only on the options of blocks i - 1, i and i + 1 (derived in :func:`_transition`), and Q grows by a term that
-does not depend on Q, so a state with a larger Q and no smaller time can never lead to a better plan: pruning it is
-exact. :func:`replay` simulates the step event by event; tests check the optimiser against brute force over all
-option combinations, scored by :func:`replay`.
+option of the last block chosen, whether a block so far holds the arguments, and Q_i, the bytes that blocks before
+i hold through the whole forward pass; for each state it keeps the Pareto front of (Q_i, time). Every peak event
+of the step is Q_i plus terms that depend only on the options of blocks i - 1, i and i + 1 and on that flag
+(derived in :func:`_transition`), and Q grows by a term that does not depend on Q, so a state with a larger Q and
+no smaller time can never lead to a better plan: pruning it is exact. :func:`replay` simulates the step event by
+event; tests check the optimiser against brute force over all option combinations, scored by :func:`replay`.
 """
 
 from __future__ import annotations
@@ -63,7 +68,10 @@ class OptionCost:
     ``seconds`` (half the range of the timed runs; :func:`settle_ties`); ``pool_bytes``: a buffer of a size class
     that the option's region keeps for reuse (offload's staging buffer of packed small tensors), shared by every
     block of the chain under that region, so charged once per step for each distinct size chosen
-    (:func:`pool_bytes`), not in ``forward_peak`` or ``kept``. All 0 in plans saved before they existed."""
+    (:func:`pool_bytes`), not in ``forward_peak`` or ``kept``. All 0 in plans saved before they existed.
+    ``holds_arguments``: the option keeps the block's other arguments (the tensors it receives besides its hidden
+    state: position ids, masks) alive until its own backward, as a checkpoint does for its recomputation, so the
+    chain's ``argument_bytes`` stay alive after the forward pass (False in plans saved before it existed)."""
 
     option: str
     forward_peak: int
@@ -75,6 +83,7 @@ class OptionCost:
     resident_bytes: int = 0
     spread: float = 0.0
     pool_bytes: int = 0
+    holds_arguments: bool = False
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,10 @@ class BlockCosts:
 
 @dataclass(frozen=True)
 class ChainCosts:
-    """The chain and the fixed parts of the step around it (see the module docstring)."""
+    """The chain and the fixed parts of the step around it (see the module docstring). ``argument_bytes``: the
+    bytes of the blocks' other arguments (besides the hidden state) that the plain step frees after the chain's
+    forward pass (in ``post_forward_peak``/``post_bytes``); an option that ``holds_arguments`` keeps them alive
+    until its backward is done (0 in plans saved before it existed)."""
 
     blocks: tuple[BlockCosts, ...]
     entry_bytes: int = 0
@@ -105,6 +117,7 @@ class ChainCosts:
     post_forward_peak: int = 0
     post_bytes: int = 0
     pre_backward_peak: int = 0
+    argument_bytes: int = 0
 
 
 @dataclass
@@ -136,6 +149,11 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
         live += choice[i].kept + blocks[i].output_bytes
         if i > 0 and not _held(blocks, choice, i):
             live -= blocks[i].input_bytes
+    # the blocks' other arguments, kept by the options that hold them until the last of those (the lowest index)
+    # is done with its backward
+    holders = [i for i, option in enumerate(choice) if option.holds_arguments]
+    if holders:
+        live += chain.argument_bytes
     timeline.append(("loss and modules after the chain", base + live + chain.post_forward_peak))
     live += chain.post_bytes
     for i in range(n - 1, -1, -1):
@@ -150,6 +168,8 @@ def replay(chain: ChainCosts, choice: Sequence[OptionCost]) -> Replay:
             live -= blocks[i].output_bytes
         if i > 0 and choice[i].saves_input and not choice[i - 1].saves_output:
             live -= blocks[i].input_bytes
+        if holders and i == holders[0]:
+            live -= chain.argument_bytes
     timeline.append(("modules before the chain (backward)", chain.pre_backward_peak))
     resident, pool = reserved_bytes(chain), pool_bytes(choice)
     # the pool exists from the first pack on: not before the chain, at every event after its start (an upper bound
@@ -183,25 +203,29 @@ def _suffix_gradients(blocks: Sequence[BlockCosts]) -> list[int]:
     return suffix
 
 
-def _transition(chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: OptionCost) -> tuple[int, int]:
+def _transition(
+    chain: ChainCosts, suffix: list[int], i: int, a: OptionCost, b: OptionCost, holding: bool
+) -> tuple[int, int]:
     """From block i under ``a`` to block i + 1 under ``b``: (the largest event that this step decides, minus Q_i;
-    the growth of Q).
+    the growth of Q). ``holding``: whether a block <= i holds the chain's arguments.
 
     Block i's backward starts with Q_i, what block i keeps, x_{i+1} if block i saves it (if only block i + 1 does,
-    x_{i+1} was freed with block i + 1's backward), the gradients of blocks > i, the post-chain bytes and the incoming
-    gradient (x_{i+1}'s size) alive; block i + 1's forward starts with Q_i, what block i keeps and x_{i+1} alive.
-    (Derived from :func:`replay` by summing its updates; tests check it.)"""
+    x_{i+1} was freed with block i + 1's backward), the gradients of blocks > i, the post-chain bytes, the incoming
+    gradient (x_{i+1}'s size) and, when ``holding``, the arguments alive; block i + 1's forward starts with Q_i, what
+    block i keeps and x_{i+1} alive. (Derived from :func:`replay` by summing its updates; tests check it.)"""
     blocks = chain.blocks
     out = blocks[i].output_bytes
     held = a.saves_output or b.saves_input
-    backward = a.kept + (out if a.saves_output else 0) + chain.post_bytes + suffix[i] + a.backward_peak
+    arguments = chain.argument_bytes if holding else 0
+    backward = a.kept + (out if a.saves_output else 0) + chain.post_bytes + suffix[i] + a.backward_peak + arguments
     forward = a.kept + out + b.forward_peak
     return max(backward, forward), a.kept + (out if held else 0)
 
 
-def _terminal(chain: ChainCosts, a: OptionCost) -> int:
-    """The events after the last block's forward, minus Q_{n-1}: the post-chain peak and the last block's backward."""
-    exit_bytes = a.kept + chain.blocks[-1].output_bytes
+def _terminal(chain: ChainCosts, a: OptionCost, holding: bool) -> int:
+    """The events after the last block's forward, minus Q_{n-1}: the post-chain peak and the last block's backward
+    (``holding``: whether a block holds the chain's arguments)."""
+    exit_bytes = a.kept + chain.blocks[-1].output_bytes + (chain.argument_bytes if holding else 0)
     last = chain.blocks[-1].output_bytes
     return max(exit_bytes + chain.post_forward_peak, exit_bytes + chain.post_bytes - last + a.backward_peak)
 
@@ -245,29 +269,32 @@ def _optimise(
     budget -= pool
     limit = budget - chain.entry_bytes
     suffix = _suffix_gradients(blocks)
-    # state: option index of the current block -> list of (Q, seconds, path)
-    # a state's cost is (seconds, techniques): among plans of equal time, the one with fewer techniques
-    fronts: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
+    # state: (option index of the current block, whether a block so far holds the chain's arguments) -> list of
+    # (Q, cost, path); a state's cost is (seconds, techniques): among plans of equal time, the one with fewer
+    # techniques
+    fronts: dict[tuple[int, bool], list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
     for k, option in enumerate(options[0]):
         if option.forward_peak <= limit:
-            fronts[k] = [(0, (option.seconds, _count(option)), (k,))]
+            fronts[(k, option.holds_arguments)] = [(0, (option.seconds, _count(option)), (k,))]
     for i in range(n - 1):
-        following: dict[int, list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
-        for k, front in fronts.items():
+        following: dict[tuple[int, bool], list[tuple[int, tuple[float, int], tuple[int, ...]]]] = {}
+        for (k, holding), front in fronts.items():
             a = options[i][k]
             for m, b in enumerate(options[i + 1]):
-                event, growth = _transition(chain, suffix, i, a, b)
+                event, growth = _transition(chain, suffix, i, a, b, holding)
                 for q, (seconds, count), path in front:
                     if q + event <= limit:
                         cost = (seconds + b.seconds, count + _count(b))
-                        following.setdefault(m, []).append((q + growth, cost, path + (m,)))
-        fronts = {m: _pareto(front, limit) for m, front in following.items()}
+                        following.setdefault((m, holding or b.holds_arguments), []).append(
+                            (q + growth, cost, path + (m,))
+                        )
+        fronts = {key: _pareto(front, limit) for key, front in following.items()}
         if not fronts:
             return None
     finals = []
-    for k, front in fronts.items():
+    for (k, holding), front in fronts.items():
         a = options[n - 1][k]
-        end = _terminal(chain, a)
+        end = _terminal(chain, a, holding)
         finals += [(cost, q + end, path) for q, cost, path in front if q + end <= limit]
     if not finals:
         return None

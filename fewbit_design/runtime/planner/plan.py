@@ -5,6 +5,7 @@ reporting it, and its JSON form."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
@@ -17,9 +18,19 @@ import torch
 from ...errors import FewBitError, check_choice, check_integer, check_keys, parse_budget, resolve_budget, show
 from .. import memory
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
-from .model import BlockCosts, ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
+from . import report as reporting
+from .model import ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
+from .report import format_bytes, retained
 from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
-from .techniques import TECHNIQUES, apply_option, apply_regions, check_choices, is_exact, parse_option
+from .techniques import (
+    TECHNIQUES,
+    apply_option,
+    apply_regions,
+    check_choices,
+    check_technique_settings,
+    is_exact,
+    parse_option,
+)
 
 __all__ = [
     "plan_memory",
@@ -32,33 +43,19 @@ __all__ = [
     "APPROXIMATE_CHOICES",
 ]
 
+logger = logging.getLogger("fewbit_design.runtime.planner")
+
 FORMAT = "fewbit-memory-plan/1"
 #: a plan file holds a few KB per block (its profile) and a timeline of at most about 400 events
 MAX_PLAN_BYTES = 64 * 2**20
 
 
-def format_bytes(nbytes: float) -> str:
-    """``1.5 MiB`` style (binary units).
-
-    Args:
-        nbytes: a number of bytes
-    """
-    value = float(nbytes)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if abs(value) < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _retained(block: BlockCosts, option: OptionCost) -> int:
-    """Bytes a block holds for backward under an option (what it keeps, plus its input/output when it saves
-    them): the per-block figure of the report."""
-    return (
-        option.kept
-        + (block.input_bytes if option.saves_input else 0)
-        + (block.output_bytes if option.saves_output else 0)
-    )
+def _refuse_compiled(model: torch.nn.Module, fix: str) -> None:
+    """A :class:`FewBitError` for a model that ``torch.compile`` wrapped (an ``OptimizedModule``, whose module names
+    start with ``_orig_mod``): the planner's blocks are the uncompiled model's, and a compiled graph would not see
+    the checkpoint wrappers and saved-tensor hooks a plan adds."""
+    if isinstance(getattr(model, "_orig_mod", None), torch.nn.Module):
+        raise FewBitError(f"{type(model).__name__} is a model compiled by torch.compile: {fix}")
 
 
 @dataclass
@@ -140,17 +137,25 @@ class MemoryPlan:
         return {t for choice in self.choices for t in parse_option(choice)}
 
     def approximate_blocks(self) -> list[str]:
-        """The blocks whose gradients the plan changes (few-bit or BLPA)."""
+        """The blocks whose gradients the plan changes: those whose option holds a technique that is approximate in
+        its configured mode (few-bit, BLPA, compressed linears and attention, gated's compressed mode)."""
         return [
-            block.name for block, choice in zip(self.costs.blocks, self.choices, strict=True) if not is_exact(choice)
+            block.name
+            for block, choice in zip(self.costs.blocks, self.choices, strict=True)
+            if not is_exact(choice, self.settings)
         ]
+
+    def _exact_plan_fits(self) -> bool:
+        """Whether a plan of exact options only (under this plan's settings) fits its budget."""
+        exact = [[o.option for o in b.options if is_exact(o.option, self.settings)] for b in self.costs.blocks]
+        return optimise(self.costs, self.budget_bytes - self.baseline_bytes, exact) is not None
 
     def reversible_estimate(self) -> dict[str, float]:
         """What a reversible version of the chain would save: the bytes the plain chain holds at its exit minus one
         hidden state (a reversible chain keeps only its output and rebuilds the rest from it), and an extra time
         of one forward pass of the chain (the inverses), taken as a third of the blocks' forward + backward time."""
         plain = self._plain()
-        held = sum(_retained(b, o) for b, o in zip(self.costs.blocks, plain, strict=True))
+        held = sum(retained(b, o) for b, o in zip(self.costs.blocks, plain, strict=True))
         saved = max(held - self.costs.blocks[-1].output_bytes, 0)
         return {"saved_bytes": saved, "extra_seconds": sum(o.seconds for o in plain) / 3}
 
@@ -193,7 +198,17 @@ class MemoryPlan:
         architecture, offload's options and folder (when a block is offloaded), and that the model is not converted
         already. A plan is applied once per model: applying a
         plan to a model that a plan was applied to (the same one twice, or another one) raises
-        :class:`FewBitError`; build a fresh model for each ``apply``."""
+        :class:`FewBitError`; build a fresh model for each ``apply``.
+
+        The key/value cache: the plan was profiled with ``use_cache=False`` (a training step needs no cache), so
+        ``apply`` sets ``config.use_cache = False`` on every config of the model that has it on (a Hugging Face
+        model's default), logs it once (logger ``fewbit_design.runtime.planner``, INFO) and keeps the previous
+        values in ``model.fewbit_use_cache`` (``{qualified name of the module holding the config: value}``, ``""``
+        for the model). With the cache on, a training step keeps every layer's keys and values alive to its end, past
+        checkpointed blocks: a stock GPT-2's "min" plan peaked at 1.1-1.4x its budget in a plain loop. Set it back
+        for generation (``model.config.use_cache = True``)."""
+        from .profile import cache_configs
+
         container, keys, blocks = self.check_model(model)
         check_choices(keys, blocks, self.choices, self.settings)  # before any change
         for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
@@ -201,6 +216,16 @@ class MemoryPlan:
         handles = apply_regions(model, blocks, self.choices, self.settings)
         if "offload" in handles:
             model.fewbit_offload = handles["offload"]  # keeps .stats reachable; handle.remove() undoes the offloading
+        caches = [(name, config) for name, config in cache_configs(model) if config.use_cache]
+        model.fewbit_use_cache = {name: config.use_cache for name, config in caches}
+        for _, config in caches:
+            config.use_cache = False
+        if caches:
+            logger.info(
+                "plan.apply: use_cache=False on the config of %s (the plan was measured without the key/value cache, "
+                "which a training step does not need; set it back for generation)",
+                ", ".join(f"{type(model.get_submodule(n)).__name__} ({n or 'the model'})" for n, _ in caches),
+            )
         model.fewbit_memory_plan = self
         return model
 
@@ -211,6 +236,7 @@ class MemoryPlan:
         self.validate()
         if not isinstance(model, torch.nn.Module):
             raise FewBitError(f"apply takes a torch.nn.Module, got {type(model).__name__}")
+        _refuse_compiled(model, "apply the plan to the model before torch.compile: plan.apply(model), then compile")
         named = dict(model.named_modules())
         if self.chain not in named:
             raise FewBitError(f"the plan is for a model with a chain {self.chain!r}; this model has no such submodule")
@@ -248,16 +274,19 @@ class MemoryPlan:
         kept in ``measured`` (and shown by :meth:`report`): ``peak_bytes`` (live tensor bytes, what the plan
         predicts) and, beside it, ``rss_peak_bytes``, the process's peak RSS during that step above its RSS before
         it (Linux; ``None`` elsewhere; see :mod:`fewbit_design.runtime.memory` for why the two differ). Caches are
-        off meanwhile, as when profiling (:func:`.profile.caches_disabled`)."""
-        from .profile import StepMarks, caches_disabled, default_loss
+        off meanwhile, as when profiling (:func:`.profile.caches_disabled`), and gradients on, whatever the caller's
+        mode (``torch.no_grad()``, ``torch.inference_mode()``: the step is a training step)."""
+        from .profile import StepMarks, caches_disabled, default_loss, outside_inference, training_grad_mode
 
         loss_fn = loss_fn or default_loss
         parameters = list(model.parameters())
         for parameter in parameters:
             parameter.grad = None
+        with training_grad_mode():  # a training step, whatever the caller's mode (as plan_memory)
+            inputs, kwargs = outside_inference(inputs), outside_inference(kwargs)
         alive = [t for t in (*inputs, *kwargs.values()) if isinstance(t, torch.Tensor)]
         names = [b.name for b in self.costs.blocks]
-        with caches_disabled(model):
+        with caches_disabled(model), training_grad_mode():
             with memory.peak(model, *alive, timeline=True) as result:
                 marks = StepMarks(self._blocks(model), names, result)
                 try:
@@ -297,105 +326,15 @@ class MemoryPlan:
     def rows(self) -> list[dict[str, Any]]:
         """One row per block: option, predicted bytes saved and extra seconds (against plain), and measured saved
         bytes when measured (the plain block's saved bytes from the profile minus the measured ones)."""
-        rows = []
-        plain_saved = self.facts.get("saved_bytes", {})
-        for block, option, plain in zip(self.costs.blocks, self._selected(), self._plain(), strict=True):
-            row = {
-                "block": block.name,
-                "technique": option.option,
-                "predicted_saved_bytes": _retained(block, plain) - _retained(block, option),
-                "predicted_extra_seconds": option.seconds - plain.seconds,
-            }
-            if self.measured is not None and block.name in plain_saved:
-                row["measured_saved_bytes"] = plain_saved[block.name] - self.measured["saved_bytes"].get(block.name, 0)
-            rows.append(row)
-        return rows
+        return reporting.rows(self)
 
     def report(self, *, file: Any = None) -> str:
         """The plan as a table (printed to ``file`` when given) and returned as text."""
-        rows = self.rows()
-        measured = self.measured is not None
-        header = f"{'block':<24} {'technique':<28} {'saved (pred.)':>14} {'extra time (pred.)':>19}"
-        if measured:
-            header += f" {'saved (meas.)':>14}"
-        lines = [header, "-" * len(header)]
-        for row in rows:
-            line = (
-                f"{row['block'][-24:]:<24} {row['technique']:<28} {format_bytes(row['predicted_saved_bytes']):>14} "
-                f"{row['predicted_extra_seconds'] * 1e3:>16.2f} ms"
-            )
-            if measured and "measured_saved_bytes" in row:
-                line += f" {format_bytes(row['measured_saved_bytes']):>14}"
-            lines.append(line)
-        lines.append("-" * len(header))
-        lines.append(
-            f"budget {format_bytes(self.budget_bytes)}; predicted peak {format_bytes(self.predicted_peak_bytes)} "
-            f"(unconverted {format_bytes(self.unconverted_peak_bytes)}; parameters and inputs "
-            f"{format_bytes(self.baseline_bytes)})"
-        )
-        lines.append(
-            f"predicted step time {self.predicted_step_seconds * 1e3:.1f} ms "
-            f"(unconverted {self.step_seconds * 1e3:.1f} ms measured, {self.predicted_extra_seconds * 1e3:+.1f} ms)"
-        )
-        if measured:
-            peak = self.measured["peak_bytes"]
-            lines.append(
-                f"measured peak {format_bytes(peak)} ({peak / self.predicted_peak_bytes:.3f}x predicted), "
-                f"measured step time {self.measured['step_seconds'] * 1e3:.1f} ms"
-            )
-            rss = self.measured.get("rss_peak_bytes")
-            allocated = format_bytes(max(peak - self.baseline_bytes, 0))
-            lines.append(
-                f"process RSS over the measured step: peak +{format_bytes(rss)} above its start, beside {allocated} "
-                "of live tensor bytes at the peak (they differ by allocator caching and non-tensor memory: see "
-                "fewbit_design.runtime.memory)"
-                if rss is not None
-                else "process RSS: not measurable here (needs Linux /proc/self/clear_refs)"
-            )
-        approximate = self.approximate_blocks()
-        needed = self.settings.get("approximate", APPROXIMATE_DEFAULT) == "if-needed"
-        lines.append(
-            "gradients changed (few-bit/BLPA) in: "
-            + (", ".join(approximate) if approximate else "no block (exact)")
-            + (" (no exact plan fits the budget)" if approximate and needed else "")
-        )
-        reversible = self.reversible_estimate()
-        lines.append(
-            f"a reversible chain would save about {format_bytes(reversible['saved_bytes'])} for about "
-            f"{reversible['extra_seconds'] * 1e3:.1f} ms more per step (estimate; not applied: it changes the model)"
-        )
-        text = "\n".join(lines)
-        if file is not None:
-            print(text, file=file)
-        return text
+        return reporting.report(self, file)
 
     def figure_data(self) -> dict[str, Any]:
-        """The numbers behind the figure (drawn by ``fewbit_design.cli.memory.plot_plan``; the runtime never imports
-        matplotlib): ``bars``: for the unconverted model and the plan, bytes at the end of the forward pass by what
-        holds them (parameters and inputs, before the chain, each technique's blocks); ``timeline``: predicted
-        (and measured) live bytes over one step; after :meth:`measure`, ``marks``: where each predicted event ends
-        in the measured timeline (so both share one x axis, the operators of the step)."""
-
-        def bar(choice: list[OptionCost]) -> dict[str, int]:
-            parts = {"parameters and inputs": self.baseline_bytes, "before the chain": self.costs.entry_bytes}
-            for block, option in zip(self.costs.blocks, choice, strict=True):
-                parts[option.option] = parts.get(option.option, 0) + _retained(block, option)
-            return parts
-
-        data: dict[str, Any] = {
-            "bars": {"unconverted": bar(self._plain()), "plan": bar(self._selected())},
-            "timeline": {
-                "predicted": [
-                    [label, value + self.baseline_bytes]
-                    for label, value in replay(self.costs, self._selected()).timeline
-                ]
-            },
-            "budget_bytes": self.budget_bytes,
-        }
-        if self.measured is not None:
-            data["timeline"]["measured"] = self.measured["timeline"]
-            data["marks"] = dict(self.measured.get("marks", {}))
-        return data
+        """The numbers behind the plan's figure (:func:`.report.figure_data`)."""
+        return reporting.figure_data(self)
 
     # --- JSON ------------------------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -497,8 +436,8 @@ def choose(
     if approximate == "if-needed" and plain <= target:
         choices = ["plain"] * len(costs.blocks)  # nothing to save: a technique is faster than plain only by noise
     else:
-        settled = settle_ties(costs, _ranks(costs))
-        choices = optimise(_exact_first(settled) if approximate == "if-needed" else settled, target, allowed)
+        settled = settle_ties(costs, _ranks(costs, settings))
+        choices = optimise(_exact_first(settled, settings) if approximate == "if-needed" else settled, target, allowed)
     if choices is None:
         raise FewBitError(
             f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
@@ -519,25 +458,27 @@ def choose(
     )
 
 
-def _ranks(costs: ChainCosts) -> list[list[int]]:
+def _ranks(costs: ChainCosts, settings: dict[str, Any]) -> list[list[int]]:
     """The fixed rule that breaks ties of time (:func:`.model.settle_ties`): fewer techniques first, then exact
-    before approximate."""
+    before approximate (under ``settings``: each technique's configured mode)."""
     return [
-        [2 * len(parse_option(o.option)) + (0 if is_exact(o.option) else 1) for o in b.options] for b in costs.blocks
+        [2 * len(parse_option(o.option)) + (0 if is_exact(o.option, settings) else 1) for o in b.options]
+        for b in costs.blocks
     ]
 
 
-def _exact_first(costs: ChainCosts) -> ChainCosts:
-    """``costs`` with every approximate option (few-bit, BLPA) made slower by more than any plan's whole time, so
-    that the least-time plan of :func:`.model.optimise` has the fewest approximate blocks that fit the budget (none
-    when an exact plan fits), and among those the least real time. The bytes are unchanged: which plans fit is
-    the same."""
+def _exact_first(costs: ChainCosts, settings: dict[str, Any]) -> ChainCosts:
+    """``costs`` with every option that is approximate under ``settings`` (few-bit, BLPA, gated's compressed mode,
+    ...) made slower by more than any plan's whole time, so that the least-time plan of :func:`.model.optimise` has
+    the fewest approximate blocks that fit the budget (none when an exact plan fits), and among those the least real
+    time. The bytes are unchanged: which plans fit is the same."""
     penalty = 1.0 + 2 * sum(max(o.seconds for o in block.options) for block in costs.blocks)
     blocks = tuple(
         replace(
             block,
             options=tuple(
-                replace(o, seconds=o.seconds + penalty) if not is_exact(o.option) else o for o in block.options
+                replace(o, seconds=o.seconds + penalty) if not is_exact(o.option, settings) else o
+                for o in block.options
             ),
         )
         for block in costs.blocks
@@ -614,6 +555,12 @@ def plan_memory(
     The plan stores the chain's fingerprint (each block's class and parameter shapes); :meth:`MemoryPlan.apply`
     refuses a model whose blocks differ.
 
+    The step is a training step whatever the caller's mode: under ``torch.no_grad()`` or ``torch.inference_mode()``
+    it is profiled with gradients on (example inputs made under inference mode are copied out of it), as
+    ``runtime.convert`` runs its probe. Frozen parameters (``requires_grad=False``: frozen embeddings, LoRA's frozen
+    blocks) are planned as they train: a block that needs no backward costs none. A model wrapped by
+    ``torch.compile`` is refused: plan and apply before compiling.
+
     Accuracy and margin: the predicted peak is of the bytes :func:`memory.peak` counts in one step (parameters,
     inputs, activations, gradients; no optimizer step, whose state is the optimizer's), and the plan keeps no margin
     below ``budget``: over the sweeps of ``tests/runtime/planner/test_accuracy.py`` and
@@ -631,6 +578,11 @@ def plan_memory(
     """
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"plan_memory takes a torch.nn.Module, got {type(model).__name__}")
+    _refuse_compiled(
+        model,
+        "plan and apply on the model before compiling it (plan_memory(model, ...).apply(model), then "
+        "torch.compile(model)); the compiled wrapper's ._orig_mod is that model",
+    )
     if isinstance(allow, str):
         allow = (allow,)
     allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
@@ -644,6 +596,11 @@ def plan_memory(
         raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
     if not model.training:
         raise FewBitError("plan_memory plans a training step: call model.train() first")
+    if any(parameter.is_inference() for parameter in model.parameters()):
+        raise FewBitError(
+            "the model's parameters were made under torch.inference_mode(), so autograd cannot train them: build "
+            "(or load) the model outside it"
+        )
     if budget is not None:
         parse_budget(budget)  # a bad budget fails before the model is profiled
     if not example_inputs and not example_kwargs:
@@ -666,23 +623,21 @@ def plan_memory(
         if key not in own:
             known = ", ".join(sorted(own)) or "none"
             raise FewBitError(f"technique_settings: no registered technique reads {key!r} (known: {known})")
+    check_technique_settings(extra, "technique_settings")  # a bad value fails before the model is profiled
     settings = {**own, **extra, "bits": bits, "blpa_bits": blpa_bits, "offload": offload}
-    for name in allow:
-        technique = registry.technique(name)
-        if technique.settings:
-            technique.config(settings)  # a bad value fails before the model is profiled
-    from .profile import profile_model
+    from .profile import outside_inference, profile_model, training_grad_mode
 
-    chain_name, costs, facts = profile_model(
-        model,
-        tuple(example_inputs),
-        dict(example_kwargs or {}),
-        chain=chain,
-        allow=allow,
-        settings=settings,
-        loss_fn=loss_fn,
-        repeats=repeats,
-    )
+    with training_grad_mode():  # a training step, whatever the caller's mode (torch.no_grad, inference_mode)
+        chain_name, costs, facts = profile_model(
+            model,
+            outside_inference(tuple(example_inputs)),
+            outside_inference(dict(example_kwargs or {})),
+            chain=chain,
+            allow=allow,
+            settings=settings,
+            loss_fn=loss_fn,
+            repeats=repeats,
+        )
     baseline = facts.pop("baseline_bytes")
     step_seconds = facts.pop("step_seconds")
     container = model.get_submodule(chain_name) if chain_name else model

@@ -36,7 +36,17 @@ from ..blockrun import block_input, first_tensor, run_block, synchronize, traini
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
-__all__ = ["find_chain", "profile_model", "default_loss", "caches_disabled", "StepMarks", "timed_options"]
+__all__ = [
+    "find_chain",
+    "profile_model",
+    "default_loss",
+    "caches_disabled",
+    "cache_configs",
+    "training_grad_mode",
+    "outside_inference",
+    "StepMarks",
+    "timed_options",
+]
 
 
 @contextlib.contextmanager
@@ -48,18 +58,46 @@ def caches_disabled(model: torch.nn.Module) -> Iterator[None]:
     the cache object: the planner runs a block again on its recorded inputs, which would append to a cache that still
     holds the first step's graph ("Trying to backward through the graph a second time"). A training step does not
     use the cache, so turning it off changes no byte that the plan is about."""
-    configs = {}
-    for module in model.modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", None) is not None and id(config) not in configs:
-            configs[id(config)] = (config, config.use_cache)
+    configs = [(config, config.use_cache) for _, config in cache_configs(model)]
     try:
-        for config, _ in configs.values():
+        for config, _ in configs:
             config.use_cache = False
         yield
     finally:
-        for config, previous in configs.values():
+        for config, previous in configs:
             config.use_cache = previous
+
+
+def cache_configs(model: torch.nn.Module) -> list[tuple[str, Any]]:
+    """(qualified name of the first module holding it, config) for every distinct config of ``model``'s modules that
+    has a ``use_cache`` setting (Hugging Face models and their sub-models), in module order."""
+    found: dict[int, tuple[str, Any]] = {}
+    for name, module in model.named_modules():
+        config = getattr(module, "config", None)
+        if config is not None and getattr(config, "use_cache", None) is not None:
+            found.setdefault(id(config), (name, config))
+    return list(found.values())
+
+
+@contextlib.contextmanager
+def training_grad_mode() -> Iterator[None]:
+    """Gradients on (and inference mode off) for the duration of the block: :func:`~.plan.plan_memory` and
+    :meth:`~.plan.MemoryPlan.measure` run a training step, whatever mode their caller is in (``torch.no_grad()``,
+    ``torch.inference_mode()``), as ``runtime.convert`` enables gradients for its probe."""
+    with torch.inference_mode(False), torch.enable_grad():
+        yield
+
+
+def outside_inference(value: Any) -> Any:
+    """``value`` with every inference tensor (made under ``torch.inference_mode()``, which autograd cannot save for
+    backward) replaced by a normal copy; other values as they are. Call it under :func:`training_grad_mode`."""
+    if isinstance(value, torch.Tensor):
+        return value.clone() if value.is_inference() else value
+    if isinstance(value, tuple | list):
+        return type(value)(outside_inference(v) for v in value)
+    if isinstance(value, dict):
+        return {k: outside_inference(v) for k, v in value.items()}
+    return value
 
 
 def default_loss(output: Any) -> torch.Tensor:
@@ -190,6 +228,11 @@ class _Recorder:
         self.outputs: list[weakref.ref | None] = [None] * len(blocks)
         self.unchained: int | None = None  # the first block whose input is not the previous block's output
         self.copies: dict[tuple[str, int], torch.Tensor] = {}
+        # the storages of the blocks' other arguments (besides the hidden state), by weak reference: which of them
+        # the step frees after the chain's forward (``argument_bytes``)
+        self.arguments: dict[int, tuple[weakref.ref, int]] = {}
+        self.arguments_at_exit: list[tuple[weakref.ref, int]] = []
+        self.argument_bytes = 0
         self.calls: list[int] = []
         self.marks: dict[str, tuple[int, int]] = {}
         self.handles = []
@@ -215,6 +258,9 @@ class _Recorder:
                     self.unchained = index
             self.needs_grad[index] = bool(hidden.requires_grad)
             self.inputs[index] = _copy_unseen((args, kwargs), self.copies)
+            for tensor in _tensors((args[1:], kwargs)):
+                storage = tensor.untyped_storage()
+                self.arguments.setdefault(id(storage), (weakref.ref(storage), int(storage.nbytes())))
 
         return hook
 
@@ -224,14 +270,31 @@ class _Recorder:
             self.outputs[index] = weakref.ref(hidden)
             if index == len(self.blocks) - 1:
                 self.mark("exit")
+                self.arguments_at_exit = [(ref, nbytes) for ref, nbytes in self.arguments.values() if ref() is not None]
                 if hidden.requires_grad:
-                    hidden.register_hook(lambda grad: self.mark("chain backward start"))
+                    hidden.register_hook(self._backward_start)
 
         return hook
+
+    def _backward_start(self, grad: torch.Tensor) -> None:
+        self.mark("chain backward start")
+        self.argument_bytes = sum(nbytes for ref, nbytes in self.arguments_at_exit if ref() is None)
 
     def remove(self) -> None:
         for handle in self.handles:
             handle.remove()
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    """The tensors in ``value`` (nested tuples, lists and dicts)."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, tuple | list):
+        for item in value:
+            yield from _tensors(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors(item)
 
 
 def _copy_unseen(value: Any, copies: dict[tuple[str, int], torch.Tensor]) -> Any:
@@ -362,7 +425,8 @@ class _Measure:
         with option_region(option, self.settings):
             output = module(inp, *args[1:], **kwargs)
         hidden = first_tensor(output)
-        hidden.backward(torch.ones_like(hidden))
+        if hidden.requires_grad:  # not when the block is frozen and its input needs no gradient: no backward to time
+            hidden.backward(torch.ones_like(hidden))
 
     def cost(
         self, block: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool
@@ -474,6 +538,7 @@ def profile_model(
         post_forward_peak=facts.pop("post_forward_peak"),
         post_bytes=facts.pop("post_bytes"),
         pre_backward_peak=facts.pop("pre_backward_peak"),
+        argument_bytes=facts.pop("argument_bytes"),
     )
     return chain_name, chain_costs, facts
 
@@ -535,6 +600,7 @@ def _profile_step(model, blocks, example_inputs, example_kwargs, loss_fn, repeat
         "post_forward_peak": max(timeline[exit_index:start_index], default=exit_bytes) - exit_bytes,
         "post_bytes": start_bytes - exit_bytes,
         "pre_backward_peak": max(timeline[end_index:], default=0),
+        "argument_bytes": recorder.argument_bytes,
     }
     inputs, needs_grad = recorder.inputs, recorder.needs_grad
     recorded = [(args, kwargs, needs) for (args, kwargs), needs in zip(inputs, needs_grad, strict=True)]

@@ -5,7 +5,11 @@ bytes are JSON integers (not floats, strings or booleans), flags are JSON boolea
 choice is one of its block's profiled options and uses only the techniques of ``settings.allow`` (a plan that
 promises exact gradients cannot apply few-bit), and the offload settings are offload's own arguments within their
 ranges. Bytes that are sizes or peaks are >= 0; ``kept``, ``post_forward_peak`` and ``post_bytes`` are differences
-of live bytes and may be negative.
+of live bytes and may be negative, down to what could be freed: a block's ``kept`` down to minus its
+``output_bytes`` (a block leaves at least as many bytes alive as it found, its input aside), the two chain fields
+down to minus ``entry_bytes`` and the last block's ``input_bytes`` and ``output_bytes`` (what was alive before the
+chain, and the last block's input and output, alive when the chain's exit is measured). Every technique setting
+present is checked by its technique (:func:`.techniques.check_technique_settings`), naming the key.
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from ...errors import (
 )
 from ..checkpoint.fingerprint import check_fingerprint_value
 from .model import BlockCosts, ChainCosts, OptionCost
-from .techniques import TECHNIQUES, option_name, parse_option
+from .techniques import TECHNIQUES, check_technique_settings, option_name, parse_option
 
 __all__ = [
     "OBJECTIVES",
@@ -44,9 +48,11 @@ APPROXIMATE_CHOICES = ("if-needed", "allowed")
 #: own budget gives the same plan)
 APPROXIMATE_DEFAULT = "allowed"
 OPTION_FIELDS = ("option", "forward_peak", "kept", "backward_peak", "saves_input", "saves_output", "seconds")
-OPTION_OPTIONAL = ("resident_bytes", "spread", "pool_bytes")  # absent in plans saved before they existed (0)
+# absent in plans saved before they existed (0, False)
+OPTION_OPTIONAL = ("resident_bytes", "spread", "pool_bytes", "holds_arguments")
 BLOCK_FIELDS = ("name", "input_bytes", "output_bytes", "gradient_bytes", "options")
 CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_bytes", "pre_backward_peak")
+CHAIN_OPTIONAL = ("argument_bytes",)  # absent in plans saved before it existed (0)
 #: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
 SIGNED_CHAIN_FIELDS = ("post_forward_peak", "post_bytes")
 SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
@@ -69,7 +75,7 @@ def _list(where: str, value: Any) -> list | tuple:
 def costs_from_json(data: Any, where: str = "costs") -> ChainCosts:
     """The :class:`ChainCosts` of a plan file, with its structure checked (objects with exactly their fields, lists
     where lists belong); the values' types and ranges are :func:`check_plan`'s part."""
-    check_keys(where, data, ("blocks",) + CHAIN_FIELDS)
+    check_keys(where, data, ("blocks",) + CHAIN_FIELDS, CHAIN_OPTIONAL)
     blocks = []
     for index, block in enumerate(_list(f"{where}.blocks", data["blocks"])):
         here = f"{where}.blocks[{index}]"
@@ -83,10 +89,10 @@ def costs_from_json(data: Any, where: str = "costs") -> ChainCosts:
                 block["name"], block["input_bytes"], block["output_bytes"], block["gradient_bytes"], tuple(options)
             )
         )
-    return ChainCosts(tuple(blocks), **{name: data[name] for name in CHAIN_FIELDS})
+    return ChainCosts(tuple(blocks), **{name: data[name] for name in CHAIN_FIELDS + CHAIN_OPTIONAL if name in data})
 
 
-def _check_option(where: str, option: Any) -> None:
+def _check_option(where: str, option: Any, output_bytes: int) -> None:
     if not isinstance(option, OptionCost):
         raise FewBitError(f"{where} must be an OptionCost, got {show(option)}")
     name = check_string(f"{where}.option", option.option)
@@ -97,6 +103,11 @@ def _check_option(where: str, option: Any) -> None:
         )
     check_integer(f"{where}.forward_peak", option.forward_peak, low=0)
     check_integer(f"{where}.kept", option.kept)
+    if option.kept < -output_bytes:
+        raise FewBitError(
+            f"{where}.kept must be >= -{output_bytes} (minus the block's output_bytes: a block cannot leave fewer "
+            f"bytes alive than it found, its input aside), got {option.kept}"
+        )
     check_integer(f"{where}.backward_peak", option.backward_peak, low=0)
     check_boolean(f"{where}.saves_input", option.saves_input)
     check_boolean(f"{where}.saves_output", option.saves_output)
@@ -104,6 +115,7 @@ def _check_option(where: str, option: Any) -> None:
     check_integer(f"{where}.resident_bytes", option.resident_bytes, low=0)
     check_number(f"{where}.spread", option.spread, low=0)
     check_integer(f"{where}.pool_bytes", option.pool_bytes, low=0)
+    check_boolean(f"{where}.holds_arguments", option.holds_arguments)
 
 
 def _check_costs(chain: str, costs: Any) -> None:
@@ -111,7 +123,7 @@ def _check_costs(chain: str, costs: Any) -> None:
         raise FewBitError(f"costs must be a ChainCosts, got {show(costs)}")
     if not isinstance(costs.blocks, tuple) or not costs.blocks:
         raise FewBitError(f"costs.blocks must be a non-empty tuple of BlockCosts, got {show(costs.blocks)}")
-    for name in CHAIN_FIELDS:
+    for name in CHAIN_FIELDS + CHAIN_OPTIONAL:
         check_integer(f"costs.{name}", getattr(costs, name), low=None if name in SIGNED_CHAIN_FIELDS else 0)
     names = set()
     for index, block in enumerate(costs.blocks):
@@ -132,12 +144,21 @@ def _check_costs(chain: str, costs: Any) -> None:
             raise FewBitError(f"{here}.options must be a non-empty tuple of OptionCost, got {show(block.options)}")
         seen = set()
         for k, option in enumerate(block.options):
-            _check_option(f"{here}.options[{k}]", option)
+            _check_option(f"{here}.options[{k}]", option, block.output_bytes)
             if option.option in seen:
                 raise FewBitError(f"{here}.options[{k}]: option {option.option!r} appears twice")
             seen.add(option.option)
         if "plain" not in seen:
             raise FewBitError(f"{here}.options has no 'plain' option (every block's profile starts with it)")
+    last = costs.blocks[-1]
+    freeable = costs.entry_bytes + last.input_bytes + last.output_bytes
+    for name in SIGNED_CHAIN_FIELDS:
+        if getattr(costs, name) < -freeable:
+            raise FewBitError(
+                f"costs.{name} must be >= -{freeable} (minus entry_bytes and the last block's input_bytes and "
+                f"output_bytes: after the chain, the modules can free only what was alive before it and the last "
+                f"block's input and output), got {getattr(costs, name)}"
+            )
 
 
 def _check_settings(settings: Any) -> tuple[str, ...]:
@@ -170,13 +191,7 @@ def _check_settings(settings: Any) -> tuple[str, ...]:
         check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
     if offload.get("directory") is not None:
         check_string("settings.offload.directory", offload["directory"])
-    for name in allow:  # each technique's own settings, checked by its config
-        technique = registry.technique(name)
-        if technique.settings:
-            try:
-                technique.config(settings)
-            except FewBitError as error:
-                raise FewBitError(f"settings ({name}): {error}") from None
+    check_technique_settings(settings)  # every technique's own settings, whether allowed or not, naming the key
     return tuple(allow)
 
 

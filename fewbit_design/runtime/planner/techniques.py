@@ -16,19 +16,19 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError
+from ...errors import FewBitError, show
 from .. import registry
 from ..checkpoint.apply import CheckpointedForward
 
 __all__ = [
     "TECHNIQUES",
-    "EXACT",
     "parse_option",
     "option_name",
     "is_exact",
     "apply_option",
     "apply_regions",
     "check_choices",
+    "check_technique_settings",
     "option_region",
     "charge",
     "candidate_options",
@@ -37,8 +37,6 @@ __all__ = [
 
 #: the registered techniques' names, in application order
 TECHNIQUES = registry.names()
-#: the techniques whose gradients are exact
-EXACT = tuple(t.name for t in registry.techniques() if t.exact)
 
 
 def parse_option(option: str) -> tuple[str, ...]:
@@ -53,9 +51,35 @@ def option_name(techniques: Iterable[str]) -> str:
     return "+".join(ordered) if ordered else "plain"
 
 
-def is_exact(option: str) -> bool:
-    """Whether every technique of ``option`` keeps gradients exact."""
-    return all(registry.technique(t).exact for t in parse_option(option))
+def is_exact(option: str, settings: Mapping[str, Any]) -> bool:
+    """Whether every technique of ``option`` keeps gradients exact under ``settings`` (each technique's configured
+    mode: gated's ``"compressed"`` mode is approximate)."""
+    return all(registry.technique(t).is_exact(settings) for t in parse_option(option))
+
+
+def check_technique_settings(settings: Mapping[str, Any], where: str = "settings") -> None:
+    """Check every registered technique's own settings (``Technique.settings``) present in ``settings``, one key at
+    a time (the technique's other keys at their defaults), so that one :class:`FewBitError` names the key: its
+    ``config``, then, for a ``module`` seam, its ``apply`` on an empty module, which checks what only the technique's
+    converter checks (a norms threshold that is NaN or negative) and changes nothing.
+
+    Args:
+        settings: a plan's settings, or ``plan_memory``'s ``technique_settings``
+        where: how the error names the mapping (``"settings"``: ``settings.norms_threshold``)
+    """
+    for technique in registry.techniques():
+        for key in technique.settings:
+            if key not in settings:
+                continue
+            trial = {**settings, **technique.settings, key: settings[key]}
+            try:
+                config = technique.config(trial)
+                if technique.seam == "module":
+                    technique.apply(torch.nn.Sequential(), config)
+            except Exception as error:  # FewBitError, or a raw ValueError/TypeError of a config such as float("x")
+                raise FewBitError(
+                    f"{where}.{key} is {show(settings[key])}, which the {technique.name} technique refuses: {error}"
+                ) from None
 
 
 def _configs(settings: Mapping[str, Any], option: str) -> list[tuple[registry.Technique, Any]]:
