@@ -155,17 +155,18 @@ def _raised(error: BaseException) -> str:
 
 
 def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
-    from ..runtime.planner.techniques import TECHNIQUES  # the registered techniques
+    from ..runtime.registry import names
 
+    techniques = names()  # the registered techniques
     chosen: list[str] = []
     for value in values:
         for part in value.split(","):
             name = part.strip().lower().replace("-", "")
-            if name not in TECHNIQUES:
-                raise FewBitError(f"--allow takes {', '.join(TECHNIQUES)} (comma-separated), got {part.strip()!r}")
+            if name not in techniques:
+                raise FewBitError(f"--allow takes {', '.join(techniques)} (comma-separated), got {part.strip()!r}")
             if name not in chosen:
                 chosen.append(name)
-    return tuple(chosen) if chosen else TECHNIQUES
+    return tuple(chosen) if chosen else techniques
 
 
 def event_edges(labels: list[str], marks: dict[str, int], operators: int) -> list[float]:

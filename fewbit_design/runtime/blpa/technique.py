@@ -1,34 +1,43 @@
-"""BLPA as the planner sees it: fuse the block's ``BatchNorm -> ReLU -> Conv2d/Linear`` runs into units that keep
-K-bit activations for backward (approximate gradients). Config: the plan's ``blpa_bits``."""
+"""BLPA as the runtime sees it: fuse ``BatchNorm -> ReLU -> Conv2d/Linear`` runs into units that keep K-bit
+activations for backward (approximate gradients). Plan setting: ``blpa_bits`` (``plan_memory(blpa_bits=...)``)."""
 
 from __future__ import annotations
 
-import warnings
-from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...errors import check_integer
 from ..registry import Technique
 
 
-def _apply(block: torch.nn.Module, bits: int) -> torch.nn.Module:
+@dataclass(frozen=True)
+class BlpaOptions:
+    """Options of BLPA.
+
+    Attributes:
+        bits: bits per saved activation, 2 to 8.
+    """
+
+    bits: int = field(default=4, metadata={"setting": "blpa_bits"})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_integer("BLPA bits", self.bits, low=2, high=8))
+
+
+def _convert(model: torch.nn.Module, options: BlpaOptions, probe: Any) -> torch.nn.Module:
     from .fuse import convert
 
-    with warnings.catch_warnings():  # "nothing fused": the planner then does not offer BLPA there
-        warnings.simplefilter("ignore", UserWarning)
-        return convert(block, bits=bits)
-
-
-def _config(settings: Mapping[str, Any]) -> int:
-    return int(settings.get("blpa_bits", 4))
+    return convert(model, bits=options.bits)
 
 
 TECHNIQUE = Technique(
     name="blpa",
     summary="BatchNorm -> ReLU -> Conv/Linear units that keep K-bit activations for backward",
     seam="module",
-    exact=False,
-    config=_config,
-    apply=_apply,
+    options=BlpaOptions,
+    approximate=lambda options: f"gradients of BatchNorm -> ReLU -> op units ({options.bits}-bit activations)",
+    convert=_convert,
+    aliases={"blpa_bits": "bits"},
 )

@@ -16,13 +16,13 @@ from ..registry import Technique
 from .apply import CheckpointedForward
 
 
-def _check(block: torch.nn.Module, config: None) -> None:
+def _check(block: torch.nn.Module, options: Any) -> None:
     if isinstance(block.__dict__.get("forward"), CheckpointedForward):
         raise FewBitError("the block is checkpointed already (checkpoint.apply?); it cannot be checkpointed twice")
 
 
-def _apply(block: torch.nn.Module, config: None) -> torch.nn.Module:
-    _check(block, config)
+def _apply(block: torch.nn.Module, options: Any) -> torch.nn.Module:
+    _check(block, options)
     block.forward = CheckpointedForward(block, selective=False)  # checkpoint.apply's per-block wrapper
     return block
 
@@ -36,8 +36,6 @@ TECHNIQUE = Technique(
     name="checkpoint",
     summary="keep the block's input only and recompute its forward in backward",
     seam="wrapper",
-    exact=True,
-    config=lambda settings: None,
     apply=_apply,
     check=_check,
     cost=_cost,

@@ -29,7 +29,8 @@ import torch
 
 from ...errors import FewBitError, check_bits, check_positive
 from ...table import Table
-from .matching import _Candidate, _recognise, _run_example, _slots, canonical_name
+from ..probe import run_example
+from .matching import _Candidate, _recognise, _slots, canonical_name
 from .nn import FewBitModule
 
 __all__ = ["StreamingHistogram", "calibrate"]
@@ -159,7 +160,7 @@ def calibrate(
     try:
         with torch.no_grad():
             for batch in _batches(batches):
-                _run_example(model, batch)
+                run_example(model, batch)
                 count += 1
     finally:
         for handle in handles:

@@ -34,12 +34,11 @@ that require grad are not counted); an activation is replaced only when the byte
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import warnings
 from collections import Counter
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,6 +48,7 @@ from ...design import activations
 from ...errors import FewBitError, check_boolean, check_choice, check_integer, close_matches
 from ...table import MODES, Table
 from .. import memory
+from ..probe import example_errors, forward_bytes, no_side_effects, run_example
 from .lookup import WEIGHTS, TableLike, as_table, resolve_table
 from .matching import (
     ECOSYSTEM,
@@ -56,7 +56,6 @@ from .matching import (
     _class_path,
     _output_saved_by_neighbour,
     _recognise,
-    _run_example,
     _saves_only_output,
     _Slot,
     _slots,
@@ -178,47 +177,13 @@ def _exclusive_bytes(
     handles = [module.register_forward_pre_hook(count) for module in candidates.values()]
     try:
         with torch.enable_grad(), memory.saved_bytes(model) as saved:
-            _run_example(model, example_inputs)
+            run_example(model, example_inputs)
     finally:
         for handle in handles:
             handle.remove()
     names = {id(module): name for name, module in model.named_modules()}  # the names memory.saved_bytes uses
     exclusive = {key: saved.exclusive_by_module.get(names.get(key, None), 0) for key in candidates}
     return exclusive, dict(elements)
-
-
-@contextlib.contextmanager
-def _no_side_effects(model: torch.nn.Module) -> Iterator[None]:
-    """Measuring runs the model: restore its buffers (BatchNorm running statistics) and the CPU random state."""
-    buffers = [(buffer, buffer.detach().clone()) for buffer in model.buffers()]
-    with torch.random.fork_rng(devices=[]):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for buffer, saved in buffers:
-                    buffer.copy_(saved)
-
-
-@contextlib.contextmanager
-def _example_errors() -> Iterator[None]:
-    """A model that fails on ``example_inputs`` (with autograd on) gives one clear error, not its traceback."""
-    try:
-        yield
-    except FewBitError:
-        raise
-    except Exception as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise FewBitError(
-            f"convert(example_inputs=...): measuring runs the model once on the example with autograd on, and it "
-            f"failed: {type(exc).__name__}: {first}"
-        ) from None
-
-
-def _measure_total(model: torch.nn.Module, example_inputs: Any) -> int:
-    with torch.enable_grad(), memory.saved_bytes(model) as measured:
-        _run_example(model, example_inputs)
-    return measured.total
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -463,8 +428,8 @@ def _convert(
                 )
             )
         if example_inputs is not None and result.measured is not None:
-            with _no_side_effects(converted), _example_errors():
-                result.measured["converted"] = _measure_total(converted, example_inputs)
+            with no_side_effects(converted), example_errors():
+                result.measured["converted"] = forward_bytes(converted, example_inputs)
     except BaseException:
         for parent, attribute, original in reversed(swapped):
             setattr(parent, attribute, original)
@@ -484,9 +449,9 @@ def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):
                 kept.append(plan)
         return kept
     candidates = {id(slot.module): slot.module for slot, _, _ in plans}
-    with _no_side_effects(model), _example_errors():
+    with no_side_effects(model), example_errors():
         exclusive, elements = _exclusive_bytes(model, example_inputs, candidates)
-        result.measured = {"native": _measure_total(model, example_inputs)}
+        result.measured = {"native": forward_bytes(model, example_inputs)}
     for plan in plans:
         slot, decision, candidate = plan
         key = id(slot.module)

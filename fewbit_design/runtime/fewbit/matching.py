@@ -9,7 +9,6 @@ and why some activations are left alone, is described in :mod:`.convert`.
 from __future__ import annotations
 
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -164,14 +163,6 @@ def _output_saved_by_neighbour(slot: _Slot) -> bool:
             if position + 1 < len(children) and isinstance(children[position + 1][1], _SAVE_INPUT):
                 return True
     return False
-
-
-def _run_example(model: torch.nn.Module, example_inputs: Any) -> Any:
-    if isinstance(example_inputs, Mapping):
-        return model(**example_inputs)
-    if isinstance(example_inputs, tuple | list):
-        return model(*example_inputs)
-    return model(example_inputs)
 
 
 def canonical_name(name: str) -> str:

@@ -62,6 +62,8 @@ class GatedMLP(NotScriptable, torch.nn.Module):
     #: the op computes the activation: the original activation child is kept (names, state) but never called, so
     #: few-bit conversion does not replace it (:func:`~..fewbit.matching.owns_activation`)
     owns_activation = True
+    #: it computes with its linear children's weights itself: compressed linear inputs leave them alone
+    owns_linears = True
 
     def __init__(
         self,

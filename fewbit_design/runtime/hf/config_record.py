@@ -111,9 +111,9 @@ def convert_options(options: Any, where: str = "convert") -> dict[str, Any] | No
         return None
     if not isinstance(options, Mapping):
         raise FewBitError(f"{where} must be a dict of runtime.convert's keyword arguments or None, got {show(options)}")
-    from ..conversion import convert
+    from ..conversion import argument_names
 
-    known = [name for name in _signature_names(convert) if name != "model" and name not in NOT_RECORDED]
+    known = [name for name in argument_names() if name not in NOT_RECORDED]
     for key, why in NOT_RECORDED.items():
         if key in options:
             because = f" ({why})" if why else ""
@@ -133,11 +133,12 @@ def plan_options(options: Any, where: str = "plan") -> dict[str, Any] | None:
     if not isinstance(options, Mapping):
         raise FewBitError(f"{where} must be a dict of plan_memory's keyword arguments or None, got {show(options)}")
     from ..planner.plan import plan_memory
+    from ..planner.techniques import plan_keywords
 
     filled = [key for key in PLAN_FILLED if key in options]
     if filled:
         raise FewBitError(f"{where}[{filled[0]!r}]: the callback passes the model and a batch of the train dataloader")
-    known = [name for name in _signature_names(plan_memory) if name not in PLAN_FILLED]
+    known = [name for name in _signature_names(plan_memory) if name not in PLAN_FILLED] + plan_keywords()
     _check_known(where, options, known, "plan_memory")
     return dict(options)
 

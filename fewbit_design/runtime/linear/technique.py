@@ -1,34 +1,118 @@
-"""Compressed linear inputs as the planner sees it: every ``nn.Linear`` / ``Conv1D`` of the block keeps its input
-for the weight gradient as K-bit group codes (approximate weight gradients; forward and input gradients exact).
-Config: the plan's ``linear_bits`` (default 8)."""
+"""Compressed linear inputs as the runtime sees it: every ``nn.Linear`` / ``Conv1D`` keeps its input for the weight
+gradient as K-bit group codes (approximate weight gradients; forward and input gradients exact). Plan setting:
+``linear_bits`` (default 8). ``runtime.convert`` runs it under ``compress=K`` only, and leaves alone the linears
+whose module runs them itself (the gated-MLP op) and those whose input another module keeps anyway (measured on
+the probe: compressing them would add codes and free nothing)."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import sys
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from ...errors import check_integer
-from ..registry import Technique
+from ...errors import check_choice, check_integer
+from .. import memory
+from ..probe import example_errors, no_side_effects, run_example
+from ..registry import ConvertRole, Technique
+from .quant import GROUP_SIZE
+
+SHARED_INPUT_REASON = (
+    "measured on the probe: its input is saved for backward by another module too (a memory-sharing norm keeps its "
+    "output): its codes would add bytes and free none"
+)
 
 
-def _apply(block: torch.nn.Module, bits: int) -> torch.nn.Module:
+@dataclass(frozen=True)
+class LinearOptions:
+    """Options of the compressed linear inputs.
+
+    Attributes:
+        bits: code width, 2 to 8.
+        group_size: values per (low, step) group along the feature dimension (not a plan setting).
+        rounding: ``"stochastic"`` or ``"nearest"`` (not a plan setting).
+    """
+
+    bits: int = 8
+    group_size: int = field(default=GROUP_SIZE, metadata={"setting": None})
+    rounding: str = field(default="stochastic", metadata={"setting": None})
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "bits", check_integer("linear_bits", self.bits, low=2, high=8))
+        object.__setattr__(self, "group_size", check_integer("linear group_size", self.group_size, low=1))
+        check_choice("linear rounding", self.rounding, ("stochastic", "nearest"))
+
+
+def _convert(model: torch.nn.Module, options: LinearOptions, probe: Any) -> torch.nn.Module:
     from .convert import convert
 
-    return convert(block, bits=bits)  # in place; the replacement when the block is one linear layer
+    kw = dict(bits=options.bits, group_size=options.group_size, rounding=options.rounding)
+    # the linears of a module that runs them itself (the gated-MLP op reads their weights): compressing them would
+    # change nothing
+    owned = {id(child) for module in model.modules() if _runs_its_linears(module) for child in module.children()}
+    shared = _shared_inputs(model, probe) if probe is not None else {}
+    converted = convert(model, **kw, filter=lambda _, module: id(module) not in owned and id(module) not in shared)
+    converted.linear_report.skipped.extend(
+        (name, type(module).__name__, SHARED_INPUT_REASON) for name, module in shared.values()
+    )
+    return converted
 
 
-def _config(settings: Mapping[str, Any]) -> int:
-    return check_integer("linear_bits", settings.get("linear_bits", 8), low=2, high=8)
+def _runs_its_linears(module: torch.nn.Module) -> bool:
+    """Whether ``module`` computes with its children's weights itself (class attribute ``owns_linears``)."""
+    return bool(getattr(type(module), "owns_linears", False))
+
+
+def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return {
+        name: module
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Linear) or (conv1d is not None and type(module) is conv1d)
+    }
+
+
+def _shared_inputs(model: torch.nn.Module, probe: Any) -> dict[int, tuple[str, torch.nn.Module]]:
+    """The linear layers (by id: (name, module)) whose saved input a module other than the linear layers saves too
+    (one forward on the probe, :meth:`memory.SavedBytes.savers`): compressing them frees nothing. Linear layers that
+    share an input among themselves alone (q, k and v after a norm in compressed mode) are not listed: converted,
+    they keep one set of codes (:func:`.ops.share_codes`) instead of the input."""
+    linears = _linears(model)
+    inputs: dict[str, torch.Tensor] = {}
+
+    def record(_module, arguments, name):
+        if arguments and isinstance(arguments[0], torch.Tensor):
+            inputs.setdefault(name, arguments[0])
+
+    handles = [
+        module.register_forward_pre_hook(lambda m, a, name=name: record(m, a, name)) for name, module in linears.items()
+    ]
+    try:
+        with no_side_effects(model), example_errors(), torch.enable_grad():
+            with memory.saved_bytes(model) as saved:
+                run_example(model, probe)
+    finally:
+        for handle in handles:
+            handle.remove()
+    shared = {}
+    for name, x in inputs.items():
+        savers = saved.savers(x)
+        if not savers or savers - linears.keys():
+            shared[id(linears[name])] = (name, linears[name])
+    return shared
 
 
 TECHNIQUE = Technique(
     name="linear",
     summary="linear layers that keep K-bit group codes of their input for the weight gradient",
     seam="module",
-    exact=False,
-    config=_config,
-    apply=_apply,
-    settings={"linear_bits": 8},
+    options=LinearOptions,
+    approximate=lambda options: "weight gradients of compressed linears",
+    convert=_convert,
+    in_convert=ConvertRole(
+        "linear_report",
+        default=False,
+        compress=lambda options, bits: LinearOptions(bits, options.group_size, options.rounding),
+    ),
 )

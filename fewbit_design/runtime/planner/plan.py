@@ -15,21 +15,20 @@ from typing import Any
 
 import torch
 
-from ...errors import FewBitError, check_choice, check_integer, check_keys, parse_budget, resolve_budget, show
-from .. import memory
+from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
+from .. import memory, registry
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
 from . import report as reporting
 from .model import ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
 from .report import format_bytes, retained
 from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
 from .techniques import (
-    TECHNIQUES,
     apply_option,
     apply_regions,
     check_choices,
-    check_technique_settings,
     is_exact,
     parse_option,
+    technique_plan_settings,
 )
 
 __all__ = [
@@ -214,8 +213,8 @@ class MemoryPlan:
         for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
             blocks[index] = apply_option(container, key, choice, self.settings)
         handles = apply_regions(model, blocks, self.choices, self.settings)
-        if "offload" in handles:
-            model.fewbit_offload = handles["offload"]  # keeps .stats reachable; handle.remove() undoes the offloading
+        for name, handle in handles.items():  # each region's handle: .stats reachable, .remove() undoes the region
+            setattr(model, f"fewbit_{name}", handle)
         caches = [(name, config) for name, config in cache_configs(model) if config.use_cache]
         model.fewbit_use_cache = {name: config.use_cache for name, config in caches}
         for _, config in caches:
@@ -371,8 +370,9 @@ class MemoryPlan:
             settings = dict(data["settings"])
             if isinstance(settings.get("allow"), list):
                 settings["allow"] = tuple(settings["allow"])
-            if isinstance(settings.get("offload"), dict):
-                settings["offload"] = dict(settings["offload"])
+            for key, value in settings.items():  # a technique's nested options (a region's object of settings)
+                if isinstance(value, dict):
+                    settings[key] = dict(value)
             facts = data.get("facts")
             plan = cls(
                 chain=data["chain"],
@@ -423,7 +423,7 @@ def choose(
     one that profiled faster than plain did so by timing noise)."""
     if isinstance(allow, str):
         allow = (allow,)
-    allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
+    allow = tuple(check_choice("allowed technique", t, registry.names()) for t in allow)
     objective = check_choice("objective", settings["objective"], OBJECTIVES)
     approximate = check_choice("approximate", settings.get("approximate", APPROXIMATE_DEFAULT), APPROXIMATE_CHOICES)
     allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
@@ -490,20 +490,15 @@ def plan_memory(
     model: torch.nn.Module,
     *example_inputs: Any,
     budget: int | str | float | None = None,
-    allow: tuple[str, ...] | list[str] = TECHNIQUES,
-    bits: int = 3,
-    blpa_bits: int = 4,
+    allow: tuple[str, ...] | list[str] | None = None,
     objective: str = "time",
     approximate: str = "if-needed",
     chain: str | None = None,
     loss_fn: Callable[[Any], torch.Tensor] | None = None,
-    offload_min_bytes: int = 1 << 20,
-    offload_pack_bytes: int = 0,
-    offload_target: str = "auto",
-    offload_prefetch: int = 0,
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
     technique_settings: dict[str, Any] | None = None,
+    **options: Any,
 ) -> MemoryPlan:
     """Profile ``model`` on example inputs once and choose per block of its chain the fastest combination of
     techniques whose predicted peak fits ``budget`` (see :mod:`fewbit_design.runtime.planner` for the algorithm),
@@ -517,8 +512,8 @@ def plan_memory(
             :func:`fewbit_design.errors.parse_budget` (shared with ``checkpoint.plan`` and the CLI): bytes, a string
             such as ``"2GiB"``, a fraction in (0, 1] of the unconverted predicted peak (``0.5`` or ``"0.5"``),
             ``"min"`` (the smallest feasible peak) or None (the unconverted peak: nothing to save).
-        allow: the techniques the plan may use, from ``("fewbit", "blpa", "checkpoint", "offload")``.
-        bits: few-bit table bits; ``blpa_bits``: BLPA's bits (2..8).
+        allow: the registered techniques the plan may use (default None: all of them,
+            :func:`fewbit_design.runtime.registry.names`).
         objective: ``"time"`` (the fastest plan within the budget) or ``"memory"`` (the smallest feasible peak,
             then the fastest plan at it; the budget is ignored).
         approximate: when the plan may use the techniques that change gradients (few-bit, BLPA): ``"if-needed"``
@@ -529,24 +524,21 @@ def plan_memory(
         chain: the qualified name of the chain (default: found, see :func:`.profile.find_chain`).
         loss_fn: the step's loss from the model's output (default: ``output.loss`` or the mean of the first
             floating-point tensor).
-        offload_min_bytes: saved tensors smaller than this stay in memory (offload's ``min_bytes``).
-        offload_pack_bytes: saved tensors from ``offload_min_bytes`` up to this go out packed, one transfer per
-            block (offload's ``pack_bytes``): with ``offload_min_bytes=0, offload_pack_bytes=1 << 20`` size is no
-            floor and small tensors cost one transfer per block instead of one each. Default 0 (no packing): a
-            packed block keeps its small tensors until it returns (its forward peak is the plain one), so where
-            memory matters more than time per-tensor transfers (``offload_min_bytes=0`` alone) can plan lower.
-        offload_target: offload's ``target``.
-        offload_prefetch: offload's ``prefetch``: 0 (default) transfers synchronously (a tensor leaves memory when
-            it is saved; the predicted peak is exact); ``k > 0`` runs up to ``k`` transfers on a thread, overlapped
-            with compute, and the plan's offload is ``blockwise`` (no transfer crosses its block), so each offloaded
-            block's predicted peaks carry ``k`` times its largest transfer: an upper bound on the measured peak.
         repeats: timed runs (a block's options: rounds, each option against plain in the same round), at least;
             more (up to three times as many) until the medians are stable. Options within their spreads (the noise
             measured) tie: charged the same time and broken by a fixed rule (fewer techniques, then exact first),
             so that timing noise does not flip the plan (:func:`.model.settle_ties`).
         example_kwargs: keyword inputs of the step.
-        technique_settings: settings of registered techniques beyond the ones above (each technique's
-            ``Technique.settings`` names its keys and defaults, e.g. ``{"linear_bits": 4}``).
+        technique_settings: the registered techniques' options, by their plan-settings keys (each technique's
+            :attr:`~fewbit_design.runtime.registry.Technique.settings`: ``{"linear_bits": 4}``); unset ones keep
+            their defaults.
+        options: technique options by the keywords their techniques declare (``Technique.aliases``): ``bits``
+            (few-bit tables' bits), ``blpa_bits``, and offload's ``offload_min_bytes`` (saved tensors smaller than
+            this stay in memory), ``offload_pack_bytes`` (tensors from ``offload_min_bytes`` up to this go out
+            packed, one transfer per block; default 0, no packing: a packed block keeps its small tensors until it
+            returns), ``offload_target`` and ``offload_prefetch`` (0, the default, transfers synchronously and the
+            predicted peak is exact; ``k > 0`` runs up to ``k`` transfers on a thread, overlapped with compute, and
+            each offloaded block's predicted peaks carry ``k`` times its largest transfer: an upper bound).
 
     Raises :class:`FewBitError` when no plan fits the budget (naming the smallest feasible one), for a bad
     argument before anything runs (a bad budget included), and when the model cannot run a training step on the
@@ -583,15 +575,13 @@ def plan_memory(
         "plan and apply on the model before compiling it (plan_memory(model, ...).apply(model), then "
         "torch.compile(model)); the compiled wrapper's ._orig_mod is that model",
     )
+    if allow is None:
+        allow = registry.names()
     if isinstance(allow, str):
         allow = (allow,)
-    allow = tuple(check_choice("allowed technique", t, TECHNIQUES) for t in allow)
+    allow = tuple(check_choice("allowed technique", t, registry.names()) for t in allow)
     check_choice("objective", objective, OBJECTIVES)
     check_choice("approximate", approximate, APPROXIMATE_CHOICES)
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise FewBitError(f"few-bit bits must be an integer in 1..8, got {bits!r}")
-    if isinstance(blpa_bits, bool) or not isinstance(blpa_bits, int) or not 2 <= blpa_bits <= 8:
-        raise FewBitError(f"BLPA bits must be an integer in 2..8, got {blpa_bits!r}")
     if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
         raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
     if not model.training:
@@ -608,23 +598,7 @@ def plan_memory(
             "plan_memory needs example inputs of one training step, with the training batch size: "
             "plan_memory(model, x, ...) or example_kwargs={...}"
         )
-    offload = {
-        "min_bytes": int(offload_min_bytes),
-        "pack_bytes": int(offload_pack_bytes),
-        "target": offload_target,
-        "prefetch": check_integer("offload_prefetch", offload_prefetch, low=0),
-        "blockwise": True,
-    }
-    from .. import registry
-
-    own = registry.setting_defaults()
-    extra = dict(technique_settings or {})
-    for key in extra:
-        if key not in own:
-            known = ", ".join(sorted(own)) or "none"
-            raise FewBitError(f"technique_settings: no registered technique reads {key!r} (known: {known})")
-    check_technique_settings(extra, "technique_settings")  # a bad value fails before the model is profiled
-    settings = {**own, **extra, "bits": bits, "blpa_bits": blpa_bits, "offload": offload}
+    settings = technique_plan_settings(technique_settings, options)
     from .profile import outside_inference, profile_model, training_grad_mode
 
     with training_grad_mode():  # a training step, whatever the caller's mode (torch.no_grad, inference_mode)

@@ -18,7 +18,6 @@ every step return its key/value cache, which the blocks' recorded inputs would t
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import statistics
 import time
@@ -33,6 +32,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...errors import FewBitError
 from .. import memory
 from ..blockrun import block_input, first_tensor, run_block, synchronize, training_state_kept
+from ..probe import cache_configs, caches_disabled, outside_inference, training_grad_mode
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
 
@@ -47,57 +47,6 @@ __all__ = [
     "StepMarks",
     "timed_options",
 ]
-
-
-@contextlib.contextmanager
-def caches_disabled(model: torch.nn.Module) -> Iterator[None]:
-    """Set ``config.use_cache = False`` on every module with a config that has one (Hugging Face models; their
-    default is True) for the duration of the block, and put the previous values back afterwards, also on error.
-
-    With the cache on, each training step returns its keys and values (``past_key_values``) and each block receives
-    the cache object: the planner runs a block again on its recorded inputs, which would append to a cache that still
-    holds the first step's graph ("Trying to backward through the graph a second time"). A training step does not
-    use the cache, so turning it off changes no byte that the plan is about."""
-    configs = [(config, config.use_cache) for _, config in cache_configs(model)]
-    try:
-        for config, _ in configs:
-            config.use_cache = False
-        yield
-    finally:
-        for config, previous in configs:
-            config.use_cache = previous
-
-
-def cache_configs(model: torch.nn.Module) -> list[tuple[str, Any]]:
-    """(qualified name of the first module holding it, config) for every distinct config of ``model``'s modules that
-    has a ``use_cache`` setting (Hugging Face models and their sub-models), in module order."""
-    found: dict[int, tuple[str, Any]] = {}
-    for name, module in model.named_modules():
-        config = getattr(module, "config", None)
-        if config is not None and getattr(config, "use_cache", None) is not None:
-            found.setdefault(id(config), (name, config))
-    return list(found.values())
-
-
-@contextlib.contextmanager
-def training_grad_mode() -> Iterator[None]:
-    """Gradients on (and inference mode off) for the duration of the block: :func:`~.plan.plan_memory` and
-    :meth:`~.plan.MemoryPlan.measure` run a training step, whatever mode their caller is in (``torch.no_grad()``,
-    ``torch.inference_mode()``), as ``runtime.convert`` enables gradients for its probe."""
-    with torch.inference_mode(False), torch.enable_grad():
-        yield
-
-
-def outside_inference(value: Any) -> Any:
-    """``value`` with every inference tensor (made under ``torch.inference_mode()``, which autograd cannot save for
-    backward) replaced by a normal copy; other values as they are. Call it under :func:`training_grad_mode`."""
-    if isinstance(value, torch.Tensor):
-        return value.clone() if value.is_inference() else value
-    if isinstance(value, tuple | list):
-        return type(value)(outside_inference(v) for v in value)
-    if isinstance(value, dict):
-        return {k: outside_inference(v) for k, v in value.items()}
-    return value
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -2,14 +2,14 @@
 
 A plan file can be edited, and a plan object can be changed after it was made; nothing in it is trusted. Counts and
 bytes are JSON integers (not floats, strings or booleans), flags are JSON booleans, times are finite numbers, every
-choice is one of its block's profiled options and uses only the techniques of ``settings.allow`` (a plan that
-promises exact gradients cannot apply few-bit), and the offload settings are offload's own arguments within their
-ranges. Bytes that are sizes or peaks are >= 0; ``kept``, ``post_forward_peak`` and ``post_bytes`` are differences
-of live bytes and may be negative, down to what could be freed: a block's ``kept`` down to minus its
-``output_bytes`` (a block leaves at least as many bytes alive as it found, its input aside), the two chain fields
-down to minus ``entry_bytes`` and the last block's ``input_bytes`` and ``output_bytes`` (what was alive before the
-chain, and the last block's input and output, alive when the chain's exit is measured). Every technique setting
-present is checked by its technique (:func:`.techniques.check_technique_settings`), naming the key.
+choice is one of its block's profiled options and uses only the techniques of ``settings.allow`` (a plan that promises
+exact gradients cannot apply an approximate technique), and every technique's options are checked by the technique (its
+options' own ranges). Bytes that are sizes or peaks are >= 0; ``kept``, ``post_forward_peak`` and ``post_bytes`` are
+differences of live bytes and may be negative, down to what could be freed: a block's ``kept`` down to minus its
+``output_bytes`` (a block leaves at least as many bytes alive as it found, its input aside), the two chain fields down
+to minus ``entry_bytes`` and the last block's ``input_bytes`` and ``output_bytes`` (what was alive before the chain, and
+the last block's input and output, alive when the chain's exit is measured). Every technique setting present is checked
+by its technique (:func:`.techniques.check_technique_settings`), naming the key.
 """
 
 from __future__ import annotations
@@ -26,9 +26,10 @@ from ...errors import (
     check_string,
     show,
 )
+from .. import registry
 from ..checkpoint.fingerprint import check_fingerprint_value
 from .model import BlockCosts, ChainCosts, OptionCost
-from .techniques import TECHNIQUES, check_technique_settings, option_name, parse_option
+from .techniques import check_technique_settings, option_name, parse_option
 
 __all__ = [
     "OBJECTIVES",
@@ -36,8 +37,6 @@ __all__ = [
     "APPROXIMATE_DEFAULT",
     "check_plan",
     "costs_from_json",
-    "OFFLOAD_REQUIRED",
-    "OFFLOAD_OPTIONAL",
 ]
 
 OBJECTIVES = ("time", "memory")
@@ -55,11 +54,8 @@ CHAIN_FIELDS = ("entry_bytes", "pre_forward_peak", "post_forward_peak", "post_by
 CHAIN_OPTIONAL = ("argument_bytes",)  # absent in plans saved before it existed (0)
 #: differences of live bytes (the modules after the chain may free bytes the chain allocated): any sign
 SIGNED_CHAIN_FIELDS = ("post_forward_peak", "post_bytes")
-SETTINGS_FIELDS = ("allow", "bits", "blpa_bits", "objective", "offload")
+SETTINGS_FIELDS = ("allow", "objective")
 SETTINGS_OPTIONAL = ("approximate",)  # absent in plans saved before it existed (APPROXIMATE_DEFAULT)
-OFFLOAD_REQUIRED = ("min_bytes", "target", "prefetch")
-# offload.apply's other arguments (for a plan edited by hand; pack_bytes is absent in plans saved before it existed)
-OFFLOAD_OPTIONAL = ("max_host_bytes", "directory", "pack_bytes", "blockwise")
 FACT_FIELDS = ("measured_peak_bytes", "minimum_budget_bytes", "saved_bytes")
 MEASURED_FIELDS = ("peak_bytes", "step_seconds", "saved_bytes", "timeline")
 MEASURED_OPTIONAL = ("marks", "rss_peak_bytes")  # absent in plans measured before they existed; rss null where not
@@ -96,9 +92,10 @@ def _check_option(where: str, option: Any, output_bytes: int) -> None:
     if not isinstance(option, OptionCost):
         raise FewBitError(f"{where} must be an OptionCost, got {show(option)}")
     name = check_string(f"{where}.option", option.option)
-    if option_name(parse_option(name)) != name or any(t not in TECHNIQUES for t in parse_option(name)):
+    techniques = registry.names()
+    if option_name(parse_option(name)) != name or any(t not in techniques for t in parse_option(name)):
         raise FewBitError(
-            f"{where}.option must be 'plain' or techniques from {', '.join(TECHNIQUES)} joined by '+' in that "
+            f"{where}.option must be 'plain' or techniques from {', '.join(techniques)} joined by '+' in that "
             f"order, got {show(name)}"
         )
     check_integer(f"{where}.forward_peak", option.forward_peak, low=0)
@@ -162,35 +159,17 @@ def _check_costs(chain: str, costs: Any) -> None:
 
 
 def _check_settings(settings: Any) -> tuple[str, ...]:
-    from .. import registry
-
     check_keys("settings", settings, SETTINGS_FIELDS, SETTINGS_OPTIONAL + tuple(registry.setting_defaults()))
     allow = settings["allow"]
     if not isinstance(allow, tuple | list):
         raise FewBitError(f"settings.allow must be a list of techniques, got {show(allow)}")
     for index, technique in enumerate(allow):
-        check_choice(f"settings.allow[{index}]", technique, TECHNIQUES)
+        check_choice(f"settings.allow[{index}]", technique, registry.names())
     if len(set(allow)) != len(allow):
         raise FewBitError(f"settings.allow names a technique twice: {show(list(allow))}")
-    check_integer("settings.bits", settings["bits"], low=1, high=8)
-    check_integer("settings.blpa_bits", settings["blpa_bits"], low=2, high=8)
     check_choice("settings.objective", settings["objective"], OBJECTIVES)
     if "approximate" in settings:
         check_choice("settings.approximate", settings["approximate"], APPROXIMATE_CHOICES)
-    offload = check_keys("settings.offload", settings["offload"], OFFLOAD_REQUIRED, OFFLOAD_OPTIONAL)
-    from ..offload import TARGETS  # offload's own choices and ranges (offload.apply checks them again)
-
-    check_choice("settings.offload.target", offload["target"], TARGETS)
-    check_integer("settings.offload.min_bytes", offload["min_bytes"], low=0)
-    check_integer("settings.offload.prefetch", offload["prefetch"], low=0)
-    if "pack_bytes" in offload:
-        check_integer("settings.offload.pack_bytes", offload["pack_bytes"], low=0)
-    if "blockwise" in offload:
-        check_boolean("settings.offload.blockwise", offload["blockwise"])
-    if offload.get("max_host_bytes") is not None:
-        check_integer("settings.offload.max_host_bytes", offload["max_host_bytes"], low=0)
-    if offload.get("directory") is not None:
-        check_string("settings.offload.directory", offload["directory"])
     check_technique_settings(settings)  # every technique's own settings, whether allowed or not, naming the key
     return tuple(allow)
 

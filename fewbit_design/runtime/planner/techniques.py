@@ -29,13 +29,16 @@ __all__ = [
     "apply_regions",
     "check_choices",
     "check_technique_settings",
+    "technique_plan_settings",
+    "plan_keywords",
     "option_region",
     "charge",
     "candidate_options",
     "CheckpointedForward",
 ]
 
-#: the registered techniques' names, in application order
+#: the registered techniques' names, in application order, when this module was imported (the registry's
+#: :func:`~..registry.names` is the current list)
 TECHNIQUES = registry.names()
 
 
@@ -47,7 +50,7 @@ def parse_option(option: str) -> tuple[str, ...]:
 def option_name(techniques: Iterable[str]) -> str:
     """The canonical name of a set of techniques (registry order)."""
     chosen = set(techniques)
-    ordered = [t for t in TECHNIQUES if t in chosen]
+    ordered = [t for t in registry.names() if t in chosen]
     return "+".join(ordered) if ordered else "plain"
 
 
@@ -75,11 +78,56 @@ def check_technique_settings(settings: Mapping[str, Any], where: str = "settings
             try:
                 config = technique.config(trial)
                 if technique.seam == "module":
-                    technique.apply(torch.nn.Sequential(), config)
+                    technique.apply_block(torch.nn.Sequential(), config)
             except Exception as error:  # FewBitError, or a raw ValueError/TypeError of a config such as float("x")
+                if str(error).startswith(f"{key} "):  # the option's check named the key itself
+                    raise FewBitError(f"{where}.{error}") from None
                 raise FewBitError(
                     f"{where}.{key} is {show(settings[key])}, which the {technique.name} technique refuses: {error}"
                 ) from None
+
+
+def plan_keywords() -> list[str]:
+    """``plan_memory``'s technique keywords (each technique's ``aliases``: few-bit's ``bits``, ...)."""
+    return [alias for t in registry.techniques() for alias in t.aliases]
+
+
+def technique_plan_settings(technique_settings: Mapping[str, Any] | None, options: Mapping[str, Any]) -> dict[str, Any]:
+    """Every registered technique's plan settings: the defaults, then ``technique_settings`` (by plan-settings key),
+    then ``options`` (``plan_memory``'s technique keywords, each technique's ``aliases``), each checked naming its
+    key or keyword.
+
+    Args:
+        technique_settings: ``plan_memory``'s ``technique_settings``, or None
+        options: ``plan_memory``'s other keywords
+    """
+    own = registry.setting_defaults()
+    extra = dict(technique_settings or {})
+    for key in extra:
+        if key not in own:
+            raise FewBitError(
+                f"technique_settings: no registered technique reads {key!r} (known: {', '.join(sorted(own))})"
+            )
+    check_technique_settings(extra, "technique_settings")  # a bad value fails before the model is profiled
+    keywords = {alias: t for t in registry.techniques() for alias in t.aliases}
+    for keyword, value in options.items():
+        technique = keywords.get(keyword)
+        if technique is None:
+            raise FewBitError(
+                f"plan_memory got an unexpected keyword {keyword!r}; the techniques' keywords are "
+                f"{', '.join(sorted(keywords))} (other options: technique_settings={{key: value}})"
+            )
+        key = {name: key for key, name in technique.setting_keys().items()}[technique.aliases[keyword]]
+        if technique.nested is None:
+            trial, extra[key] = {**extra, key: value}, value
+        else:
+            nested = {**own[technique.nested], **extra.get(technique.nested, {}), key: value}
+            trial, extra[technique.nested] = {**extra, technique.nested: nested}, nested
+        try:
+            technique.config(trial)
+        except FewBitError as error:
+            raise FewBitError(f"plan_memory({keyword}={show(value)}): {error}") from None
+    return {**own, **extra}
 
 
 def _configs(settings: Mapping[str, Any], option: str) -> list[tuple[registry.Technique, Any]]:
@@ -94,7 +142,7 @@ def apply_option(container: torch.nn.Module, key: str, option: str, settings: Ma
         if technique.seam == "region":
             continue
         try:
-            block = technique.apply(block, config)
+            block = technique.apply_block(block, config)
         except FewBitError as error:
             raise FewBitError(f"block {key!r}: {error}") from None
     container._modules[key] = block

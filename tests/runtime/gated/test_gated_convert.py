@@ -12,7 +12,7 @@ from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fewbit_nn
 from fewbit_design.runtime.gated import GatedMLP, convert
-from fewbit_design.runtime.gated.technique import TECHNIQUE
+from fewbit_design.runtime.gated.technique import TECHNIQUE, GatedOptions
 from fewbit_design.runtime.registry import Technique
 
 
@@ -177,23 +177,25 @@ def test_convert_takes_a_module():
 def test_technique_contract():
     assert isinstance(TECHNIQUE, Technique)
     assert (TECHNIQUE.name, TECHNIQUE.seam, TECHNIQUE.exact) == ("gated", "module", True)
-    assert TECHNIQUE.config({}) == ("exact", 8)
-    assert TECHNIQUE.config({"gated_mode": "compressed", "gated_bits": 4}) == ("compressed", 4)
+    assert TECHNIQUE.config({}) == GatedOptions("exact", 8)
+    assert TECHNIQUE.config({"gated_mode": "compressed", "gated_bits": 4}) == GatedOptions("compressed", 4)
     with pytest.raises(FewBitError, match="gated_mode must be 'exact' or 'compressed', got 'lossy'"):
         TECHNIQUE.config({"gated_mode": "lossy"})
     with pytest.raises(FewBitError, match="gated_bits must be .*8.*, got 9"):
         TECHNIQUE.config({"gated_mode": "compressed", "gated_bits": 9})
     block = model_of(Gated(), torch.nn.LayerNorm(8))
-    assert TECHNIQUE.changes_block(block, ("exact", 8)) and isinstance(block[0], Gated)  # changes_block leaves it
-    applied = TECHNIQUE.apply(block, ("exact", 8))
+    assert TECHNIQUE.changes_block(block, GatedOptions("exact", 8)) and isinstance(
+        block[0], Gated
+    )  # changes_block leaves it
+    applied = TECHNIQUE.apply(block, GatedOptions("exact", 8))
     assert applied is block and isinstance(block[0], GatedMLP) and block[0].mode == "exact"
-    assert not TECHNIQUE.changes_block(block, ("exact", 8))  # idempotent
-    compressed = TECHNIQUE.apply(model_of(Gated(), torch.nn.LayerNorm(8)), ("compressed", 4))
+    assert not TECHNIQUE.changes_block(block, GatedOptions("exact", 8))  # idempotent
+    compressed = TECHNIQUE.apply(model_of(Gated(), torch.nn.LayerNorm(8)), GatedOptions("compressed", 4))
     assert (compressed[0].mode, compressed[0].bits) == ("compressed", 4)
     plain = model_of(torch.nn.Linear(8, 8))
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # nothing to replace: no warning escapes to the planner
-        assert TECHNIQUE.apply(plain, ("exact", 8)) is plain
+        assert TECHNIQUE.apply(plain, GatedOptions("exact", 8)) is plain
     x = torch.randn(4, 8) * 1
     with memory.saved_bytes(block) as counted:
         block(x.requires_grad_() * 1)

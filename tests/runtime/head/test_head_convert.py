@@ -11,7 +11,7 @@ import torch
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime.head import convert, remove
-from fewbit_design.runtime.head.technique import TECHNIQUE
+from fewbit_design.runtime.head.technique import TECHNIQUE, HeadOptions
 
 transformers = pytest.importorskip("transformers")
 
@@ -144,7 +144,7 @@ def test_technique_applies_to_whole_models_and_leaves_the_rest():
     holder = torch.nn.ModuleDict({"lm": model, "other": torch.nn.Linear(3, 3)})
     assert TECHNIQUE.name == "head" and TECHNIQUE.exact and TECHNIQUE.seam == "module"
     config = TECHNIQUE.config({"head_chunk_rows": 6})
-    assert config == 6 and TECHNIQUE.config({}) is None
+    assert config == HeadOptions(6) and TECHNIQUE.config({}) == HeadOptions()
     assert not TECHNIQUE.changes_block(model.model.layers[0], config)  # a block without the head
     assert TECHNIQUE.changes_block(holder, config)
     assert TECHNIQUE.apply(holder, config) is holder

@@ -11,7 +11,7 @@ import torch
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime.linear import CompressedConv1D, CompressedLinear, convert
-from fewbit_design.runtime.linear.technique import TECHNIQUE
+from fewbit_design.runtime.linear.technique import TECHNIQUE, LinearOptions
 
 transformers = pytest.importorskip("transformers")
 
@@ -88,14 +88,16 @@ def test_bad_arguments_raise_one_line(kwargs, message):
 
 def test_technique_contract():
     assert (TECHNIQUE.name, TECHNIQUE.seam, TECHNIQUE.exact) == ("linear", "module", False)
-    assert TECHNIQUE.config({}) == 8 and TECHNIQUE.config({"linear_bits": 4}) == 4
+    assert TECHNIQUE.config({}) == LinearOptions(8) and TECHNIQUE.config({"linear_bits": 4}) == LinearOptions(4)
     block = mlp()
-    assert TECHNIQUE.changes_block(block, 4) and type(block[0]) is torch.nn.Linear  # changes_block works on a copy
-    assert TECHNIQUE.apply(block, 4) is block and block[0].bits == 4
-    assert not TECHNIQUE.changes_block(block, 4)  # idempotent
-    assert not TECHNIQUE.changes_block(torch.nn.GELU(), 4)  # nothing it can handle: untouched
+    assert (
+        TECHNIQUE.changes_block(block, LinearOptions(4)) and type(block[0]) is torch.nn.Linear
+    )  # changes_block works on a copy
+    assert TECHNIQUE.apply(block, LinearOptions(4)) is block and block[0].bits == 4
+    assert not TECHNIQUE.changes_block(block, LinearOptions(4))  # idempotent
+    assert not TECHNIQUE.changes_block(torch.nn.GELU(), LinearOptions(4))  # nothing it can handle: untouched
     layer = torch.nn.Linear(4, 4)
-    applied = TECHNIQUE.apply(layer, 8)
+    applied = TECHNIQUE.apply(layer, LinearOptions(8))
     assert isinstance(applied, CompressedLinear) and applied.weight is layer.weight
 
 

@@ -12,7 +12,7 @@ from fewbit_design import runtime
 from fewbit_design.runtime import norms
 from fewbit_design.runtime.norms import MemorySharingNorm
 from fewbit_design.runtime.norms.ops import DEFAULT_THRESHOLD
-from fewbit_design.runtime.norms.technique import TECHNIQUE
+from fewbit_design.runtime.norms.technique import TECHNIQUE, NormsOptions
 
 WIDTH = 16
 
@@ -43,7 +43,7 @@ def test_norms_convert_replaces_a_frozen_norm_sharing_its_frozen_parameters(name
 @pytest.mark.parametrize("name", list(FROZEN))
 def test_the_planner_technique_converts_a_block_with_a_frozen_norm(name):
     block = torch.nn.Sequential(FROZEN[name](), torch.nn.Linear(WIDTH, WIDTH))
-    converted = TECHNIQUE.apply(block, DEFAULT_THRESHOLD)
+    converted = TECHNIQUE.apply(block, NormsOptions(DEFAULT_THRESHOLD))
     assert isinstance(converted[0], MemorySharingNorm)
 
 

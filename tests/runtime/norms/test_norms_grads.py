@@ -12,7 +12,7 @@ import torch
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import norms
 from fewbit_design.runtime.norms import MemorySharingNorm
-from fewbit_design.runtime.norms.technique import TECHNIQUE
+from fewbit_design.runtime.norms.technique import TECHNIQUE, NormsOptions
 
 transformers = pytest.importorskip("transformers")
 
@@ -198,8 +198,8 @@ def test_convert_reports_replaced_and_left_modules_and_is_idempotent():
     assert TECHNIQUE.name == "norms" and TECHNIQUE.exact and TECHNIQUE.seam == "module"
     lone = torch.nn.LayerNorm(8)
     assert isinstance(TECHNIQUE.apply(lone, TECHNIQUE.config({})), MemorySharingNorm)
-    assert TECHNIQUE.changes_block(torch.nn.Sequential(torch.nn.RMSNorm(8)), 0.25)
-    assert not TECHNIQUE.changes_block(model, 0.25)
+    assert TECHNIQUE.changes_block(torch.nn.Sequential(torch.nn.RMSNorm(8)), NormsOptions(0.25))
+    assert not TECHNIQUE.changes_block(model, NormsOptions(0.25))
 
 
 class _ScaledNorm(torch.nn.Module):
