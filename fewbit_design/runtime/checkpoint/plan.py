@@ -20,7 +20,6 @@ Every plan's peak and extra time come from :func:`.cost.predict`, the same model
 
 from __future__ import annotations
 
-import json
 import math
 import os
 from collections.abc import Sequence
@@ -40,6 +39,7 @@ from ...errors import (
     resolve_budget,
     show,
 )
+from ..planfile import PlanFile
 from .cost import Segment, check_segments, predict
 from .fingerprint import BlockFingerprint, check_fingerprint_value, fingerprint_from_json
 from .profile import Profile
@@ -62,7 +62,7 @@ def format_bytes(nbytes: float) -> str:
 
 
 @dataclass
-class Plan:
+class Plan(PlanFile):
     """A checkpoint schedule for a profiled chain.
 
     Attributes:
@@ -81,6 +81,10 @@ class Plan:
     again when it is applied, so a plan built or changed by hand cannot run a schedule that computes something
     else than the model.
     """
+
+    FORMAT = FORMAT
+    KIND = "checkpoint plan"
+    MAX_BYTES = MAX_PLAN_BYTES
 
     segments: tuple[Segment, ...]
     strategy: str
@@ -149,48 +153,30 @@ class Plan:
             "fingerprint": [block.to_json() for block in self.fingerprint],
         }
 
-    def to_json(self) -> str:
-        """The plan as JSON text (:func:`load_plan` reads it back into an equal plan)."""
-        return json.dumps(self.to_dict(), indent=1)
-
-    def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
-        """Write :meth:`to_json` to ``path`` atomically (never a partial file); ``force=False`` refuses to replace
-        an existing file."""
-        from ...output_files import write_text_atomic
-
-        write_text_atomic(path, self.to_json(), force=force)
-
     @classmethod
-    def from_dict(cls, data: Any, *, source: str | None = None) -> Plan:
-        """The plan that :meth:`to_dict` wrote, checked completely (:meth:`validate`): JSON integers for counts
-        and bytes, JSON booleans for ``checkpoint``, segments that tile the blocks; ``budget_bytes``, ``names``
-        and ``fingerprint`` may be absent (plans saved before fingerprints load, and apply without that check)."""
-        where = f"checkpoint plan {source!r}" if source else "checkpoint plan"
-        try:
-            if isinstance(data, dict) and data.get("format") != FORMAT:
-                raise FewBitError(f"format must be {FORMAT!r}, got {show(data.get('format'))}")
-            required = ("format", "strategy", "segments", "peak_bytes", "extra_seconds", "forward_seconds")
-            check_keys("the plan", data, required + ("baseline_peak_bytes",), ("budget_bytes", "names", "fingerprint"))
-            if not isinstance(data["segments"], list):
-                raise FewBitError(f"segments must be a list, got {show(data['segments'])}")
-            names = data.get("names", [])
-            if not isinstance(names, list):
-                raise FewBitError(f"names must be a list of strings, got {show(names)}")
-            plan = cls(
-                segments=tuple(Segment.from_dict(s, where=f"segments[{k}]") for k, s in enumerate(data["segments"])),
-                strategy=data["strategy"],
-                peak_bytes=data["peak_bytes"],
-                extra_seconds=data["extra_seconds"],
-                forward_seconds=data["forward_seconds"],
-                baseline_peak_bytes=data["baseline_peak_bytes"],
-                budget_bytes=data.get("budget_bytes"),
-                names=tuple(names),
-                fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
-            )
-        except FewBitError as error:
-            raise FewBitError(f"{where}: {error}") from None
-        plan.validate(source)
-        return plan
+    def _from_checked(cls, data: dict[str, Any]) -> Plan:
+        """The plan of a dict whose format was checked (:meth:`~..planfile.PlanFile.from_dict`): JSON integers for
+        counts and bytes, JSON booleans for ``checkpoint``, segments that tile the blocks; ``budget_bytes``,
+        ``names`` and ``fingerprint`` may be absent (plans saved before fingerprints load, and apply without that
+        check)."""
+        required = ("format", "strategy", "segments", "peak_bytes", "extra_seconds", "forward_seconds")
+        check_keys("the plan", data, required + ("baseline_peak_bytes",), ("budget_bytes", "names", "fingerprint"))
+        if not isinstance(data["segments"], list):
+            raise FewBitError(f"segments must be a list, got {show(data['segments'])}")
+        names = data.get("names", [])
+        if not isinstance(names, list):
+            raise FewBitError(f"names must be a list of strings, got {show(names)}")
+        return cls(
+            segments=tuple(Segment.from_dict(s, where=f"segments[{k}]") for k, s in enumerate(data["segments"])),
+            strategy=data["strategy"],
+            peak_bytes=data["peak_bytes"],
+            extra_seconds=data["extra_seconds"],
+            forward_seconds=data["forward_seconds"],
+            baseline_peak_bytes=data["baseline_peak_bytes"],
+            budget_bytes=data.get("budget_bytes"),
+            names=tuple(names),
+            fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
+        )
 
     def __str__(self) -> str:
         n = self.block_count
@@ -215,10 +201,7 @@ def load_plan(path: str | os.PathLike) -> Plan:
     """Read a plan that :meth:`Plan.save` wrote; ``checkpoint.apply(blocks, load_plan(path))`` applies it. The file
     is read with the bounds of a table file (size, JSON nesting, UTF-8) and checked completely: every failure is
     one :class:`FewBitError` naming the file."""
-    from ...table import load_json
-
-    data = load_json(path, what="checkpoint plan", max_bytes=MAX_PLAN_BYTES)
-    return Plan.from_dict(data, source=os.fspath(path))
+    return Plan.load(path)
 
 
 # --- strategies --------------------------------------------------------------------------------------------------

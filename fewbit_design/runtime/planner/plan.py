@@ -4,7 +4,6 @@ reporting it, and its JSON form."""
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import statistics
@@ -18,6 +17,7 @@ import torch
 from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
 from .. import memory, registry
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
+from ..planfile import PlanFile
 from . import report as reporting
 from .model import ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
 from .report import format_bytes, retained
@@ -58,7 +58,7 @@ def _refuse_compiled(model: torch.nn.Module, fix: str) -> None:
 
 
 @dataclass
-class MemoryPlan:
+class MemoryPlan(PlanFile):
     """A plan from :func:`fewbit_design.runtime.plan_memory` (see its docstring for the algorithm).
 
     Attributes:
@@ -84,6 +84,10 @@ class MemoryPlan:
 
     Every field is checked (:meth:`validate`, :mod:`.schema`) when a plan is read and again when it is applied.
     """
+
+    FORMAT = FORMAT
+    KIND = "memory plan"
+    MAX_BYTES = MAX_PLAN_BYTES
 
     chain: str
     choices: tuple[str, ...]
@@ -341,65 +345,43 @@ class MemoryPlan:
         data["format"] = FORMAT
         return data
 
-    def to_json(self) -> str:
-        """The plan as JSON (:func:`load_plan` reads it back into an equal plan)."""
-        return json.dumps(self.to_dict(), indent=1)
-
-    def save(self, path: str | os.PathLike, *, force: bool = True) -> None:
-        """Write :meth:`to_json` to ``path`` atomically (never a partial file); ``force=False`` refuses to replace
-        an existing file."""
-        from ...table import write_text_atomic
-
-        write_text_atomic(path, self.to_json(), force=force)
-
     @classmethod
-    def from_dict(cls, data: Any, *, source: str | None = None) -> MemoryPlan:
-        """The plan that :meth:`to_dict` wrote, checked completely (:meth:`validate`). ``facts``, ``measured`` and
-        ``fingerprint`` may be absent (plans saved before fingerprints existed load, and apply without that
-        check)."""
-        where = f"memory plan {source!r}" if source else "memory plan"
-        try:
-            if isinstance(data, dict) and data.get("format") != FORMAT:
-                raise FewBitError(f"format must be {FORMAT!r}, got {show(data.get('format'))}")
-            required = ("format", "chain", "choices", "costs", "budget_bytes", "baseline_bytes", "step_seconds")
-            check_keys("the plan", data, required + ("settings",), ("facts", "measured", "fingerprint"))
-            if not isinstance(data["choices"], list | tuple):
-                raise FewBitError(f"choices must be a list, got {show(data['choices'])}")
-            if not isinstance(data["settings"], dict):
-                raise FewBitError(f"settings must be an object (a dict), got {show(data['settings'])}")
-            settings = dict(data["settings"])
-            if isinstance(settings.get("allow"), list):
-                settings["allow"] = tuple(settings["allow"])
-            for key, value in settings.items():  # a technique's nested options (a region's object of settings)
-                if isinstance(value, dict):
-                    settings[key] = dict(value)
-            facts = data.get("facts")
-            plan = cls(
-                chain=data["chain"],
-                choices=tuple(data["choices"]),
-                costs=costs_from_json(data["costs"]),
-                budget_bytes=data["budget_bytes"],
-                baseline_bytes=data["baseline_bytes"],
-                step_seconds=data["step_seconds"],
-                settings=settings,
-                facts={} if facts is None else facts,
-                measured=data.get("measured"),
-                fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
-            )
-        except FewBitError as error:
-            raise FewBitError(f"{where}: {error}") from None
-        plan.validate(source)
-        return plan
+    def _from_checked(cls, data: dict[str, Any]) -> MemoryPlan:
+        """The plan of a dict whose format was checked (:meth:`~..planfile.PlanFile.from_dict`). ``facts``,
+        ``measured`` and ``fingerprint`` may be absent (plans saved before fingerprints existed load, and apply
+        without that check)."""
+        required = ("format", "chain", "choices", "costs", "budget_bytes", "baseline_bytes", "step_seconds")
+        check_keys("the plan", data, required + ("settings",), ("facts", "measured", "fingerprint"))
+        if not isinstance(data["choices"], list | tuple):
+            raise FewBitError(f"choices must be a list, got {show(data['choices'])}")
+        if not isinstance(data["settings"], dict):
+            raise FewBitError(f"settings must be an object (a dict), got {show(data['settings'])}")
+        settings = dict(data["settings"])
+        if isinstance(settings.get("allow"), list):
+            settings["allow"] = tuple(settings["allow"])
+        for key, value in settings.items():  # a technique's nested options (a region's object of settings)
+            if isinstance(value, dict):
+                settings[key] = dict(value)
+        facts = data.get("facts")
+        return cls(
+            chain=data["chain"],
+            choices=tuple(data["choices"]),
+            costs=costs_from_json(data["costs"]),
+            budget_bytes=data["budget_bytes"],
+            baseline_bytes=data["baseline_bytes"],
+            step_seconds=data["step_seconds"],
+            settings=settings,
+            facts={} if facts is None else facts,
+            measured=data.get("measured"),
+            fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
+        )
 
 
 def load_plan(path: str | os.PathLike) -> MemoryPlan:
     """Read a plan that :meth:`MemoryPlan.save` wrote; ``load_plan(path).apply(model)`` applies it. The file is
     read with the bounds of a table file (size, JSON nesting, UTF-8) and checked completely: every failure is one
     :class:`FewBitError` naming the file."""
-    from ...table import load_json
-
-    data = load_json(path, what="memory plan", max_bytes=MAX_PLAN_BYTES)
-    return MemoryPlan.from_dict(data, source=os.fspath(path))
+    return MemoryPlan.load(path)
 
 
 def choose(
