@@ -1,5 +1,6 @@
-"""The GPU suite (scripts/gpu_suite.sh, issue 23.1) on CPU: its benchmarks' dry runs (--tiny) and the script's own
-machinery (stages, files, exit status), so that neither rots between the rare runs on a GPU.
+"""The GPU suite (scripts/gpu_suite.sh) on CPU: its benchmarks' dry runs (--tiny), the whole suite's --dry-run and the
+script's own machinery (stage order, the time budget, files, exit status), so that none of it rots between the rare
+runs on a GPU.
 
 The benchmarks run in this process (their ``main``), on CPU with the Triton launchers interpreted (conftest.py sets
 TRITON_INTERPRET=1); the numbers they print are meaningless here, so only what they write is checked.
@@ -69,15 +70,55 @@ def test_planner_dry_run(tmp_path, one_torch_thread):
     assert figure.stat().st_size > 0
 
 
-def run_suite(*args: str, **environment: str) -> subprocess.CompletedProcess:
+def run_suite(*args: str, timeout: int = 120, **environment: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHON=sys.executable, **environment)
-    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=120)
+    return subprocess.run(["bash", str(SCRIPT), *args], capture_output=True, text=True, env=env, timeout=timeout)
+
+
+def summary(done: subprocess.CompletedProcess) -> str:
+    return done.stdout[done.stdout.index("=== gpu_suite summary") :]
 
 
 def test_suite_usage_errors_exit_2(tmp_path):
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
-    assert run_suite().returncode == 2
     assert run_suite(str(tmp_path), "--fast").returncode == 2
+    assert run_suite(str(tmp_path), str(tmp_path / "second"), "--dry-run").returncode == 2
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the suite runs on the Linux GPU machines")
+def test_the_whole_dry_run_passes_within_its_budget_into_at_most_8_files(tmp_path):
+    # `bash scripts/gpu_suite.sh --dry-run` as written: OUTDIR defaults to $OUT (the device tool's folder)
+    done = run_suite("--dry-run", timeout=600, OUT=str(tmp_path))
+    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-2000:]
+    assert "budget 360s" in done.stdout
+    stages = ["env", "kernels", "speed", "offload", "planner", "tests"]
+    lines = [line.strip() for line in summary(done).splitlines()[1:] if ": " in line]
+    assert [line.split(":")[0] for line in lines[: len(stages)]] == stages  # in the order of their value
+    assert all(": ok (" in line for line in lines[: len(stages)]), lines
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == sorted(
+        ["log.txt", "env.txt", "kernels.xml", "tests.xml", "gpu_speed.csv", "gpu_offload.csv", "gpu_planner.csv"]
+        + ["more.tar.gz"]
+    )
+    with tarfile.open(tmp_path / "more.tar.gz") as archive:
+        assert sorted(archive.getnames()) == ["gpu_planner.png", "gpu_speed.png"]
+
+
+def test_quick_runs_the_first_four_stages_within_3_minutes(tmp_path):
+    done = run_suite(str(tmp_path), "--dry-run", "--quick", SUITE_STAGES="env")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "budget 180s" in done.stdout and "env: ok" in summary(done)
+    # its stages (with no time to run them: the order and the choice only)
+    planned = run_suite(str(tmp_path / "plan"), "--dry-run", "--quick", SUITE_BUDGET_S="5")
+    assert "stages: env kernels speed offload\n" in planned.stdout
+
+
+def test_no_stage_starts_once_the_budget_is_spent(tmp_path):
+    # each stage gets at most the budget left less 5 s for stopping it: with 5 s in all, none starts
+    done = run_suite(str(tmp_path), "--dry-run", SUITE_BUDGET_S="5")
+    assert done.returncode == 1
+    for stage in ("env", "kernels", "speed", "offload", "planner", "tests"):
+        assert f"{stage}: not run (the 5s budget is spent)" in summary(done)
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the suite runs on the Linux GPU machines")
@@ -86,8 +127,7 @@ def test_suite_runs_its_stages_and_keeps_at_most_8_files(tmp_path):
         (tmp_path / name).write_text("x")
     done = run_suite(str(tmp_path), "--dry-run", SUITE_STAGES="env")
     assert done.returncode == 0, done.stdout + done.stderr
-    summary = done.stdout[done.stdout.index("=== gpu_suite summary") :]
-    assert "env: ok" in summary and "tests: not run (SUITE_STAGES)" in summary
+    assert "env: ok" in summary(done) and "tests: not run (SUITE_STAGES)" in summary(done)
     assert "device: none" in (tmp_path / "env.txt").read_text()
     assert (tmp_path / "log.txt").read_text() == done.stdout
     assert sorted(p.name for p in tmp_path.iterdir()) == ["env.txt", "log.txt", "more.tar.gz"]

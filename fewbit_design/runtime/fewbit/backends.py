@@ -1,5 +1,6 @@
-"""The backends of the few-bit op: the table as tensors, the pure-torch reference, the numba and Triton launchers, and
-the dispatch that picks one by device.
+"""The backends of the few-bit op: the table as tensors, the pure-torch reference, the numba launchers, and the
+dispatch that picks one by device (the Triton launchers are in :mod:`.triton_launch`, the shared checks in
+:mod:`._inputs`).
 
 Terms (see :mod:`fewbit_design`): sorted ``boundaries`` cut the real line into intervals, interval m (the number of
 boundaries <= x) has code ``interval_codes[m]`` in [0, 2**bits), and code c has level ``levels[c]``; the
@@ -10,9 +11,10 @@ float64 gradients), in grad's dtype. The code of x is found by comparing x with 
 so ``x >= float32(b)`` holds exactly when ``x >= b`` does.
 
 Layers: ``quantize_reference`` / ``scale_reference`` (pure torch, any device: the oracle), numba CPU kernels
-(:mod:`._numba_kernels`), Triton kernels (:mod:`._triton_kernels`); the launchers ``quantize`` / ``scale`` pick one
-by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`use_backend` force one). The
-custom ops and the autograd entry point that use them are in :mod:`.ops`.
+(:mod:`._numba_kernels`), Triton kernels (:mod:`._triton_kernels`, launched by :mod:`.triton_launch`); the
+launchers ``quantize`` / ``scale`` pick one by device (CUDA -> Triton, CPU -> numba, else reference;
+``FEWBIT_BACKEND`` or :func:`use_backend` force one). The custom ops and the autograd entry point that use them are
+in :mod:`.ops`.
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ from ...errors import FewBitError, check_choice
 from ...table import Table
 from .._packing import pack_reference, packed_nbytes, unpack_reference
 from ._cpu_tables import BRANCHLESS_SPLITS, MULTI, build_lut16, build_lut32, codes_plan, direct_lut32
+from ._inputs import BACKEND_ENV, SUPPORTED_DTYPES, check_input, check_packed, flat_contiguous, nonfinite_positions
 from .lookup import check_kernel_table
+from .triton_launch import forward_triton, quantize_triton, scale_triton
 
 __all__ = [
     "BACKENDS",
     "BACKEND_ENV",
+    "SUPPORTED_DTYPES",
     "TableTensors",
     "table_tensors",
     "encode_table",
@@ -53,6 +58,7 @@ __all__ = [
     "forward_numba",
     "scale_numba",
     "quantize_triton",
+    "forward_triton",
     "scale_triton",
     "quantize",
     "scale",
@@ -61,8 +67,6 @@ __all__ = [
 ]
 
 BACKENDS = ("auto", "reference", "numba", "triton")
-BACKEND_ENV = "FEWBIT_BACKEND"
-SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -158,26 +162,11 @@ def table_tensors(table: Table, device: torch.device | str | None = None) -> Tab
 # Pure-torch reference (the oracle; any device)
 
 
-def _check_input(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> None:
-    if x.dtype not in SUPPORTED_DTYPES:
-        raise FewBitError(f"few-bit activations take float32, float16, bfloat16 or float64 input, got {x.dtype}")
-    expected = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if boundaries.dtype != expected:
-        raise FewBitError(f"boundaries must be {expected} for {x.dtype} input, got {boundaries.dtype}")
-    if interval_codes.numel() != boundaries.numel() + 1:
-        raise FewBitError(
-            f"interval_codes must have len(boundaries) + 1 = {boundaries.numel() + 1} entries, "
-            f"got {interval_codes.numel()}"
-        )
-    if isinstance(bits, bool) or not isinstance(bits, int) or not 1 <= bits <= 8:
-        raise FewBitError(f"bits must be an integer from 1 to 8, got {bits!r}")
-
-
 def quantize_reference(
     x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
 ) -> torch.Tensor:
     """Packed codes of x (flattened in contiguous order): uint8, ``ceil(numel / 8) * bits`` bytes."""
-    _check_input(x, boundaries, interval_codes, bits)
+    check_input(x, boundaries, interval_codes, bits)
     flat = x.detach().reshape(-1).to(boundaries.dtype).contiguous()
     # interval = number of boundaries <= x (searchsorted right); NaN goes to the last interval
     interval = torch.searchsorted(boundaries, flat, right=True)
@@ -209,10 +198,6 @@ def _numba_kernels():
     from . import _numba_kernels
 
     return _numba_kernels
-
-
-def _flat_contiguous(tensor: torch.Tensor) -> torch.Tensor:
-    return tensor.detach().reshape(-1).contiguous()
 
 
 # Outputs of at least this many bytes are allocated by numpy and shared with torch (torch.from_numpy): numpy asks the
@@ -251,7 +236,7 @@ def _codes_numba(
     x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int
 ) -> tuple[torch.Tensor, int]:
     """(packed codes of x, number of non-finite elements of x), the codes split over the kernel threads."""
-    _check_input(x, boundaries, interval_codes, bits)
+    check_input(x, boundaries, interval_codes, bits)
     if x.device.type != "cpu":
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
     numel = x.numel()
@@ -259,7 +244,7 @@ def _codes_numba(
     if numel == 0:
         return out, 0
     out_np = out.numpy()
-    kernel, args = _codes_kernel(_flat_contiguous(x), boundaries, interval_codes, bits, out_np)
+    kernel, args = _codes_kernel(flat_contiguous(x), boundaries, interval_codes, bits, out_np)
     nonfinite = _numba_kernels().run(kernel, numel, *args)
     _zero_padding(out_np, numel, bits)
     return out, int(nonfinite)
@@ -314,7 +299,7 @@ def forward_numba(
     small = numel * x.element_size() < FORWARD_BLOCKED_BYTES
     if small or torch.get_num_threads() > 1 or not x.is_contiguous() or numel <= FORWARD_BLOCK:
         return _forward_two_passes(x, native, boundaries, interval_codes, bits)
-    _check_input(x, boundaries, interval_codes, bits)
+    check_input(x, boundaries, interval_codes, bits)
     packed = _empty_cpu(packed_nbytes(numel, bits), torch.uint8)
     out_np = packed.numpy()
     kernel, args = _codes_kernel(x.detach().reshape(-1), boundaries, interval_codes, bits, out_np)
@@ -327,7 +312,7 @@ def forward_numba(
         if numel - stop < _VECTOR_TAIL:  # the last few elements join the last block (see _VECTOR_TAIL)
             stop = numel
         if kernel(*args, start, stop):
-            records.append(_nonfinite_positions(x_flat[start:stop].detach(), start))
+            records.append(nonfinite_positions(x_flat[start:stop].detach(), start))
         block = native(x_flat[start:stop])
         if y_flat is None:
             y_flat = _empty_cpu(numel, block.dtype)
@@ -352,7 +337,7 @@ def _forward_two_passes(
     The fixed cost of a call (issue 22): the calls :func:`_codes_numba` makes, without the ones that repeat work
     done once per table (the plan, cached) or per call here (flattening x once, for the codes and the record).
     """
-    _check_input(x, boundaries, interval_codes, bits)
+    check_input(x, boundaries, interval_codes, bits)
     if not x.is_cpu:
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {x.device}")
     numel = x.numel()
@@ -368,7 +353,7 @@ def _forward_two_passes(
     nonfinite = _numba_kernels().run(plan.kernel, numel, *plan.arguments_np(x_np, out_np))
     if bits == 8:
         out_np[numel:] = 0
-    record = _nonfinite_positions(detached.reshape(-1), 0) if nonfinite else None
+    record = nonfinite_positions(detached.reshape(-1), 0) if nonfinite else None
     return native(x), torch.from_numpy(out_np), record
 
 
@@ -399,7 +384,7 @@ def _forward_relu(
         return None
     if x.numel() == 0:
         return None
-    _check_input(x, boundaries, interval_codes, bits)
+    check_input(x, boundaries, interval_codes, bits)
     plan = codes_plan(x.dtype, boundaries, interval_codes, bits)
     if plan.relu_kernel is None:
         return None
@@ -411,14 +396,8 @@ def _forward_relu(
     nonfinite = _numba_kernels().run(plan.relu_kernel, numel, *plan.arguments(flat, out_np, y))
     _zero_padding(out_np, numel, bits)
     if nonfinite:
-        return native(x), packed, _nonfinite_positions(flat, 0)
+        return native(x), packed, nonfinite_positions(flat, 0)
     return y.view(x.shape), packed, None
-
-
-def _nonfinite_positions(flat: torch.Tensor, offset: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(positions + offset, values) of the non-finite elements of the flat tensor ``flat``."""
-    mask = ~torch.isfinite(flat)
-    return torch.nonzero(mask).reshape(-1) + offset, flat[mask]
 
 
 def _numpy(tensor: torch.Tensor) -> np.ndarray:
@@ -432,7 +411,7 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
     if not grad.is_cpu:
         raise FewBitError(f"the numba backend runs on CPU tensors, got a tensor on {grad.device}")
     numel = grad.numel()
-    _check_packed(packed, bits, numel)
+    check_packed(packed, bits, numel)
     if numel == 0:
         return torch.empty_like(grad, memory_format=torch.contiguous_format)
     kernels = _numba_kernels()
@@ -464,95 +443,6 @@ _FLOAT16_VALUES = np.zeros(1, dtype=np.float32)  # bfloat16 needs no table (its 
 def _float16_values() -> np.ndarray:
     """The float32 value of every float16 bit pattern (float32[65536], exact)."""
     return np.arange(65536, dtype=np.uint32).astype(np.uint16).view(np.float16).astype(np.float32)
-
-
-def _check_packed(packed: torch.Tensor, bits: int, numel: int) -> None:
-    if packed.dtype != torch.uint8 or packed.numel() != packed_nbytes(numel, bits):
-        raise FewBitError(
-            f"packed codes must be {packed_nbytes(numel, bits)} uint8 bytes for {numel} elements at {bits} bits, "
-            f"got {packed.numel()} {packed.dtype}"
-        )
-
-
-# ----------------------------------------------------------------------------------------------------------------------
-# Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1)
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _triton_kernels(device: torch.device):
-    """The Triton kernels module, for tensors on ``device``: CUDA, or any device when the kernels run in Triton's
-    interpreter (``TRITON_INTERPRET=1`` when they were imported, as in the tests); else one FewBitError, not
-    Triton's own driver error."""
-    from . import _triton_kernels
-
-    if device.type != "cuda" and not _interpreted(_triton_kernels._fewbit_forward_kernel):
-        raise FewBitError(
-            f"backend 'triton' ({BACKEND_ENV} or use_backend) runs on CUDA tensors, got {device.type} tensors: use "
-            "'auto', 'numba' or 'reference' on the CPU (Triton's interpreter runs it on the CPU only when "
-            "TRITON_INTERPRET=1 is set before the kernels are imported)"
-        )
-    return _triton_kernels
-
-
-def _interpreted(kernel: Any) -> bool:
-    """Whether ``kernel`` (a ``triton.jit`` function) runs in Triton's interpreter."""
-    from triton.runtime.interpreter import InterpretedFunction
-
-    return isinstance(kernel, InterpretedFunction)
-
-
-def quantize_triton(x: torch.Tensor, boundaries: torch.Tensor, interval_codes: torch.Tensor, bits: int) -> torch.Tensor:
-    """Triton kernel of :func:`quantize_reference` (bitwise equal)."""
-    _check_input(x, boundaries, interval_codes, bits)
-    numel = x.numel()
-    out = torch.empty(packed_nbytes(numel, bits), dtype=torch.uint8, device=x.device)
-    if numel == 0:
-        return out
-    kernels = _triton_kernels(x.device)
-    flat = _flat_contiguous(x)
-    block = kernels.BLOCK_GROUPS
-    grid = (_cdiv(_cdiv(numel, 8), block),)
-    in_bf16 = x.dtype == torch.bfloat16
-    kernels._fewbit_forward_kernel[grid](
-        flat.view(torch.int16) if in_bf16 else flat,
-        boundaries.contiguous(),
-        interval_codes.to(torch.int32).contiguous(),
-        out,
-        numel,
-        boundaries.numel(),
-        BITS=bits,
-        BLOCK_GROUPS=block,
-        IN_BF16=in_bf16,
-    )
-    return out
-
-
-def scale_triton(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, bits: int) -> torch.Tensor:
-    """Triton kernel of :func:`scale_reference` (bitwise equal)."""
-    numel = grad.numel()
-    _check_packed(packed, bits, numel)
-    out = torch.empty(grad.shape, dtype=grad.dtype, device=grad.device)
-    if numel == 0:
-        return out
-    kernels = _triton_kernels(grad.device)
-    block = kernels.BLOCK_GROUPS
-    grid = (_cdiv(_cdiv(numel, 8), block),)
-    flat = _flat_contiguous(grad)
-    in_bf16 = grad.dtype == torch.bfloat16
-    kernels._fewbit_backward_kernel[grid](
-        flat.view(torch.int16) if in_bf16 else flat,
-        packed,
-        levels.contiguous(),
-        out,
-        numel,
-        BITS=bits,
-        BLOCK_GROUPS=block,
-        OUT_BF16=in_bf16,
-    )
-    return out
 
 
 # ----------------------------------------------------------------------------------------------------------------------

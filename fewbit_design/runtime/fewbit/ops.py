@@ -6,7 +6,8 @@ derivative is approximated by q(x) = levels[code(x)].
 
 Contract (DESIGN.md "Runtime contract"):
 
-* forward returns exactly what the native op returns (it *is* the native op, run without recording autograd), and
+* forward returns exactly what the native op returns (it *is* the native op, run without recording autograd; on
+  CUDA the activations of :mod:`.one_pass` compute torch's formula in the pass that writes the codes), and
   saves only the packed codes of x (``ceil(n / 8) * bits`` bytes, layout in :mod:`.._packing`) plus the constant-size
   level tensors;
 * backward returns ``grad * levels[code]`` computed in float32 (float64 for float64 gradients), in grad's dtype;
@@ -55,6 +56,7 @@ from .backends import (
     direct_lut32,
     encode_table,
     forward_numba,
+    forward_triton,
     quantize,
     quantize_numba,
     quantize_reference,
@@ -85,6 +87,7 @@ __all__ = [
     "forward_numba",
     "scale_numba",
     "quantize_triton",
+    "forward_triton",
     "scale_triton",
     "quantize",
     "scale",
@@ -149,7 +152,8 @@ def nonfinite_record(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | Non
 
     ``positions`` are int64 indices into x flattened in logical (row-major) order, ``values`` x's NaN / +-inf there
     (x's dtype). The common, all-finite case costs one reduction over x (:func:`_maybe_nonfinite`) and saves
-    nothing. (The numba forward, :func:`~.backends.forward_numba`, counts non-finite elements in its kernels instead.)
+    nothing. (The numba and Triton forwards, :func:`~.backends.forward_numba` and
+    :func:`~.triton_launch.forward_triton`, find non-finite elements in their kernels instead.)
     """
     detached = x.detach()
     if detached.numel() == 0 or not bool(_maybe_nonfinite(detached)):
@@ -236,9 +240,14 @@ class _FewBitFunction(torch.autograd.Function):
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None
             y = native(x)
-        elif backend_for(x.device) == "numba":
+        elif (backend := backend_for(x.device)) == "numba":
             # codes and y in one pass over x (blocks in cache), the non-finite count from the same loads
             y, packed, record = forward_numba(x, native, boundaries, interval_codes, bits)
+            positions, values = record or (None, None)
+        elif backend == "triton":
+            # one kernel pass over x for the activations of one_pass.py (y, codes and the non-finite flag), else the
+            # codes kernel (with the flag), then the native op
+            y, packed, record = forward_triton(x, native, boundaries, interval_codes, bits)
             positions, values = record or (None, None)
         else:
             packed = quantize(x, boundaries, interval_codes, bits)
