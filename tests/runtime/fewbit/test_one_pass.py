@@ -200,6 +200,7 @@ def test_which_natives_take_one_pass(make_table):
             return F.silu(input) + 1
 
     assert one_pass.formula_for(Shifted(table=make_table("silu", 3))._native) is None
+
     class Unhashable:
         __hash__ = None
 
