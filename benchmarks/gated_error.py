@@ -5,7 +5,7 @@ gradient of each variant against native's (relative L2 error over all parameters
 approximation on alone (the rest exact): the gated MLPs run a pure-torch autograd function that keeps exact copies
 of everything except the named tensors, which go through the project's own quantizers (``linear.quant`` group
 codes, the few-bit table kernels), so the figures are those of the modes' parts; "the first version" is the
-compressed mode before issue 25's fix (K-bit a, up and x, 3-bit few-bit codes of act'(gate)), "now" the shipped
+first compressed mode (K-bit a, up and x, 3-bit few-bit codes of act'(gate)), "now" the shipped
 one (K-bit gate, up and x; act and act' recomputed from gate), also run through ``gated.convert`` itself.
 ``linear`` compresses the other linear layers' saved inputs (attention projections, the head) with
 ``linear.convert``.

@@ -1,4 +1,4 @@
-"""CUDA offload on a GPT-2-small-shaped stack (issue 23.4): peak memory and step time against no offload and against
+"""CUDA offload on a GPT-2-small-shaped stack: peak memory and step time against no offload and against
 ``torch.autograd.graph.save_on_cpu(pin_memory=True)``, in one run.
 
 Model: ``transformers.GPT2Model``, 12 layers, width 768, 12 heads (``--layers``, ``--width``), GELU with the tanh
@@ -17,7 +17,7 @@ same training step each (forward + backward, then the gradients are dropped), in
 Peak: ``torch.cuda.max_memory_allocated()`` over the step (reset at its start): absolute (parameters, inputs and all
 the step allocates) and above the step's start. Time: median over the timed steps (the device synchronised before and
 after each). After every offload step the pinned pool's in-use bytes are recorded (0: no buffer is kept once the
-graph is freed). Targets (issue 23.4): offload peak at most 0.4x of none's, step time at most 1.15x.
+graph is freed). Targets: offload peak at most 0.4x of none's, step time at most 1.15x.
 
 Rows go to the CSV as each mode is finished. ``--budget-seconds`` stops the timed steps early (at least one per mode).
 

@@ -1,4 +1,4 @@
-"""Few-bit activations against native on a GPU (issue 23.3): forward, backward, forward+backward; CUDA events, medians.
+"""Few-bit activations against native on a GPU: forward, backward, forward+backward; CUDA events, medians.
 
 For each activation (GELU, SiLU, ReLU, Tanh, Sigmoid), bit width (1, 2, 3, 4, 8), dtype (bfloat16, float32) and size
 (2^24, 2^26, 2^28 elements, 1-D, requires_grad like an activation in training), with native and few-bit interleaved
@@ -15,7 +15,7 @@ before it (a 256 MiB write, outside the events); the median. Ratios are few-bit 
 
 ``floor`` is the bandwidth bound of the forward+backward ratio: native moves 5 s bytes per element (forward reads x
 and writes y, backward reads x and dy and writes dx; s = element size), few-bit 4 s + b/4 (it writes b bits of codes
-in forward and reads them in backward instead of reading x again). Issue 23's target is 0.9x at 3 bits for GELU and
+in forward and reads them in backward instead of reading x again). The target is 0.9x at 3 bits for GELU and
 SiLU; the floor there is 0.84x (float32) and 0.88x (bfloat16).
 
 Rows are appended to the CSV as they are measured (a run stopped by its time limit keeps what it measured), the

@@ -1,4 +1,4 @@
-"""Cost of the non-finite rule (issue 16.1): few-bit forward time with and without the check for NaN / +-inf.
+"""Cost of the non-finite rule: few-bit forward time with and without the check for NaN / +-inf.
 
 The check is one reduction over x (``sum``; ``aminmax`` for float16): a finite result proves every element finite;
 the sparse record (int64 positions + values) is built only otherwise. This script times, interleaved in one run, on

@@ -1,4 +1,4 @@
-"""What a synchronous disk offload costs per byte, by how tensors come back (issue 26): the offload file written with
+"""What a synchronous disk offload costs per byte, by how tensors come back: the offload file written with
 ``pwrite`` and read back with ``preadv`` into new tensors (the path before mapped reads), or read back as views of the
 mapped file (``torch.frombuffer``: mapped reads, the disk target's synchronous path), against copying the same bytes
 to and from memory (``Tensor.copy_`` into a buffer, ``clone`` back): the floor of any path that copies twice; and

@@ -1,4 +1,4 @@
-"""Where offload's step-time cost goes on the planner benchmark models (issue 26): eager against offload of every
+"""Where offload's step-time cost goes on the planner benchmark models: eager against offload of every
 block, synchronous (the planner's default, ``prefetch=0``) and with transfers on the target's thread (``prefetch``
 1 and 2, ``blockwise`` as under the planner).
 

@@ -14,13 +14,13 @@ tokens; class templates plus noise), this script:
 3. writes ``benchmarks/results/planner.csv`` and the figure ``docs/figures/planner.png`` (step time against
    measured peak: the Pareto front of the plans, the techniques alone as points).
 
-Done-when checks printed at the end: measured peak <= budget + 10%, predicted peak within 10% of measured, and
+Target checks printed at the end: measured peak <= budget + 10%, predicted peak within 10% of measured, and
 each plan at least as fast as the fastest single technique whose measured peak fits the same budget (times
 measured in this run; on a shared machine they are noisy, so ratios within ~10% are ties).
 
     python benchmarks/planner.py                 # reduced default (~5 minutes on 2 cores)
     python benchmarks/planner.py --steps 60 --models gpt2
-    python benchmarks/planner.py --device cuda --models gpt2 --gpt2-shape gpt2-small --tolerance 0.05  # issue 23.5
+    python benchmarks/planner.py --device cuda --models gpt2 --gpt2-shape gpt2-small --tolerance 0.05  # on a GPU
     python benchmarks/planner.py --tiny          # a dry run (tiny GPT-2, one step; writes to the temp folder)
     python benchmarks/planner.py --baselines [--quick]  # against the baselines a user would reach for (below)
 
@@ -85,7 +85,7 @@ class LanguageModel(nn.Module):
 GPT2_SHAPES = {  # (layers, width, heads, context, batch)
     "small": (4, 128, 4, 64, 8),  # the CPU default
     "tiny": (2, 32, 2, 16, 2),  # --tiny: a dry run
-    "gpt2-small": (12, 768, 12, 256, 8),  # GPT-2 small's stack (issue 23.5, on a GPU)
+    "gpt2-small": (12, 768, 12, 256, 8),  # GPT-2 small's stack (on a GPU)
 }
 
 
@@ -179,7 +179,7 @@ def run(name: str, plan: MemoryPlan, build, data, loss, steps: int, seed: int, d
 
     cuda = device.type == "cuda"
     synchronize = harness.cuda_synchronize(device)
-    if cuda:  # the allocator's peak of the measured step, beside memory.peak's (issue 23.5)
+    if cuda:  # the allocator's peak of the measured step, beside memory.peak's
         synchronize()
         torch.cuda.reset_peak_memory_stats(device)
         entry = torch.cuda.memory_allocated(device)
@@ -342,7 +342,7 @@ def figure(rows: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     argv = sys.argv[1:] if argv is None else list(argv)
-    if "--baselines" in argv:  # issue 26.7: against HF checkpointing, torch.compile, save_on_cpu (its own options)
+    if "--baselines" in argv:  # against HF checkpointing, torch.compile, save_on_cpu (its own options)
         import planner_baselines
 
         argv.remove("--baselines")
@@ -365,7 +365,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--device", default="cpu", help="cpu or cuda (the models, data and plans on that device)")
     parser.add_argument("--gpt2-shape", default="small", choices=sorted(GPT2_SHAPES), help="the GPT-2 stack's size")
-    parser.add_argument("--tolerance", type=float, default=0.10, help="predicted vs measured peak, done-when check")
+    parser.add_argument("--tolerance", type=float, default=0.10, help="predicted vs measured peak, target check")
     parser.add_argument("--tiny", "--dry-run", action="store_true", help="a dry run: tiny models, one step")
     args = parser.parse_args(argv)
     if args.tiny:
@@ -388,7 +388,7 @@ def main(argv: list[str] | None = None) -> None:
     harness.write_csv(args.out, rows, columns=COLUMNS, float_format=".4g", extrasaction="ignore")
     figure(rows, Path(args.figure))
     print(f"wrote {args.out} and {args.figure}")
-    print("done-when checks (plans):")
+    print("target checks (plans):")
     for row in rows:
         if row["kind"] != "plan":
             continue

@@ -1,4 +1,4 @@
-"""The memory planner against the baselines a user would reach for, same run, same model, same batches (issue 26.7).
+"""The memory planner against the baselines a user would reach for, same run, same model, same batches.
 
 Two models whose memory is dominated by activations (small width, long sequence, small vocabulary), built from
 configs (no downloads): a 12-layer LLaMA-style (``transformers.LlamaConfig``) and a 12-layer GPT-2-style
@@ -31,7 +31,7 @@ gradients and Adam's state alive, as in training), ``activation_mib`` (that peak
 optimizer state), the median step time (forward + backward, one torch thread by default) with its quartiles, and
 ratios against ``eager``: peak, activation memory, and step time (the median over rounds of each round's ratio: the
 candidates run in turn, one step each per round, so a slow spell of the shared machine hits them alike). Then the
-done-when checks of issue 26 are printed, each with why where it does not hold.
+target checks are printed (:func:`target_checks`), each with why where it does not hold.
 
     python benchmarks/planner.py --baselines            # the full run (10-20 minutes on a loaded 2-core CPU)
     python benchmarks/planner_baselines.py --quick      # tiny models, a few steps (seconds; writes to the temp folder)
@@ -359,13 +359,17 @@ def run_model(model_name: str, args) -> list[dict]:
     return [c.row for c in rows]
 
 
-# --- done-when ----------------------------------------------------------------------------------------------------
+# --- targets ------------------------------------------------------------------------------------------------------
 def _ok(value: bool) -> str:
     return "holds" if value else "DOES NOT HOLD"
 
 
-def done_when(rows: list[dict]) -> list[str]:
-    """The issue's done-when checks on one model's rows, each a line (with why where it does not hold)."""
+def target_checks(rows: list[dict]) -> list[str]:
+    """The planner's targets checked on one model's rows, each a line (with why where it does not hold).
+
+    Targets: 5x less activation memory at most 1.10x eager's step time, 3x at most 1.00x, and plans at least as
+    fast as HF checkpointing (eager plans) and compiled PyTorch (compiled plans) at or below their peaks.
+    """
 
     def measured(row):
         return not math.isnan(row.get("activation_mib", math.nan)) and not math.isnan(row.get("step_ms", math.nan))
@@ -518,8 +522,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         harness.write_csv(args.out, rows, columns=COLUMNS, float_format=".4g", extrasaction="ignore")
         figure(rows, args.figure, header)
         print(f"wrote {args.out} and {args.figure}")
-        print(f"done-when checks (issue 26), {model_name}:")
-        for line in done_when(mine):
+        print(f"target checks, {model_name}:")
+        for line in target_checks(mine):
             print("  " + line)
     return rows
 

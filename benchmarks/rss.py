@@ -1,4 +1,4 @@
-"""Process RSS beside live tensor bytes (issue 26, item 6): a planned GPT-2 training step, on CPU.
+"""Process RSS beside live tensor bytes: a planned GPT-2 training step, on CPU.
 
 For each variant, in a fresh process of its own (RSS depends on what the process did before), a small GPT-2
 (``benchmarks/planner.py``'s model) is planned at its smallest feasible peak, the plan applied, ``--warmup``

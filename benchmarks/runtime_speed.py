@@ -10,7 +10,7 @@ native and few-bit measurements interleaved in the same run:
 and reports medians and few-bit / native ratios (the ratio of medians, and the quartiles of the per-round ratios:
 the spread over repeats), plus the bytes saved for backward (``fewbit_design.runtime.memory.saved_bytes``).
 
-Each ratio is printed beside its traffic limit (issue 22): with s bytes per element and b bits per code, native moves
+Each ratio is printed beside its traffic limit: with s bytes per element and b bits per code, native moves
 2s per element forward (read x, write y) and 3s backward (read grad and x or y, write the gradient); few-bit moves
 2s + b/8 forward (codes written) and 2s + b/8 backward (codes read), so the ideal ratios of a bandwidth-bound op are
 (2s + b/8) / 2s forward, (2s + b/8) / 3s backward and (4s + b/4) / 5s over both (0.81 in float32 at 1 bit).

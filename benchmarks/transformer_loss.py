@@ -20,7 +20,7 @@ Reported per model, seed and variant, as ratios against the native run of the sa
 final training loss, bytes saved for backward by one training forward (``memory.saved_bytes``), median step time
 (loaded machine: indicative only), and the relative error of the parameter gradient at initialisation against
 native's on one batch. Then, per model and variant, the mean of each ratio over the seeds and its spread (half the
-range). The test of issue 25 is the MEAN held-out ratio over seeds: at most 1.01 at 8 bits and 1.02 at 4 bits. One
+range). The target is the MEAN held-out ratio over seeds: at most 1.01 at 8 bits and 1.02 at 4 bits. One
 seed cannot decide it: the exact variant, whose first gradient equals native's, moves by about +-0.5% between seeds
 (training order and rounding amplify any difference), so exact's own spread is the noise floor of every ratio.
 
@@ -135,10 +135,10 @@ def ordered(rows: list[dict], variants: str) -> list[dict]:
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """Per model and variant: each ratio's mean over seeds +- its spread (half the range), and the issue's test."""
+    """Per model and variant: each ratio's mean over seeds +- its spread (half the range), and the target."""
     targets = {"compressed8": 1.01, "compressed4": 1.02, "compressed8-nearest": 1.01, "compressed4-nearest": 1.02}
     targets.update(convert8=1.01, convert4=1.02)
-    lines = ["mean over seeds +- spread (half the range); the issue's test is the mean held-out ratio:"]
+    lines = ["mean over seeds +- spread (half the range); the target is the mean held-out ratio:"]
     for kind in dict.fromkeys(row["model"] for row in rows):
         for variant in dict.fromkeys(row["variant"] for row in rows if row["model"] == kind):
             chosen = [row for row in rows if row["model"] == kind and row["variant"] == variant]

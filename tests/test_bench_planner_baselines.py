@@ -1,5 +1,5 @@
-"""benchmarks/planner_baselines.py (issue 26.7): its quick mode runs every baseline and the planner's sweep and writes
-what it promises (the timings it prints are meaningless under test: only structure is checked), and its done-when
+"""benchmarks/planner_baselines.py: its quick mode runs every baseline and the planner's sweep and writes
+what it promises (the timings it prints are meaningless under test: only structure is checked), and its target
 checks decide right on rows given by hand."""
 
 from __future__ import annotations
@@ -54,11 +54,11 @@ def row(config, kind, peak, step, activation_reduction=1.0, spread=0.0):
 
 
 @pytest.fixture(scope="module")
-def done_when():
-    return load("planner_baselines").done_when
+def target_checks():
+    return load("planner_baselines").target_checks
 
 
-def test_done_when_holds_and_names_the_row(done_when):
+def test_target_checks_hold_and_name_the_row(target_checks):
     rows = [
         row("eager", "eager", 100.0, 1.0),
         row("hf checkpointing", "hf-checkpoint", 30.0, 1.3, 3.5),
@@ -67,14 +67,14 @@ def test_done_when_holds_and_names_the_row(done_when):
         row("plan /6", "plan", 25.0, 1.08, 6.0),
         row("plan /3 compiled", "plan-compiled", 40.0, 0.85, 3.0),
     ]
-    lines = done_when(rows)
+    lines = target_checks(rows)
     assert lines[0].startswith("m: >= 5x less activation memory at <= 1.10x step time: holds (plan /6: 6.00x")
     assert lines[1].startswith("m: >= 3x less activation memory at <= 1.00x step time: holds (plan /3 compiled")
     assert "hf checkpointing's peak (30.00 MiB) at least as fast: holds (plan /6" in lines[2]
     assert "compiled amb=0.5's peak (60.00 MiB) at least as fast: holds (plan /3 compiled" in lines[3]
 
 
-def test_done_when_says_why_it_does_not_hold(done_when):
+def test_target_checks_say_why_one_does_not_hold(target_checks):
     rows = [
         row("eager", "eager", 100.0, 1.0),
         row("hf checkpointing", "hf-checkpoint", 20.0, 1.3, 5.0),
@@ -83,7 +83,7 @@ def test_done_when_says_why_it_does_not_hold(done_when):
         row("plan /3 compiled", "plan-compiled", 50.0, 0.95, 2.9, spread=0.1),
         row("broken", "plan", math.nan, math.nan),
     ]
-    lines = done_when(rows)
+    lines = target_checks(rows)
     assert lines[0].endswith("DOES NOT HOLD: no plan reaches 5x (largest 3.20x)")
     assert lines[1].endswith("DOES NOT HOLD: the fastest plan reaching 3x takes 1.050x")  # the compiled plan: 2.9x
     assert lines[2].endswith("DOES NOT HOLD: no plan reaches that peak (smallest 35.00 MiB)")

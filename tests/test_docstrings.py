@@ -1,4 +1,4 @@
-"""Every public function and class has a docstring that names its arguments (issue 24).
+"""Every public function and class has a docstring that names its arguments.
 
 Public: the names in ``__all__`` of each public module (``PUBLIC_MODULES``). A class's constructor arguments may be
 named in the class docstring or in ``__init__``'s. ``EXEMPT`` lists the few callables whose arguments are

@@ -1,4 +1,4 @@
-"""The ``>>>`` examples in the package's docstrings run, as doctests (issue 24: docstring examples are tested).
+"""The ``>>>`` examples in the package's docstrings run, as doctests.
 
 One test per module that has examples; a module that needs an optional package that is not installed (triton,
 transformers) is skipped with that reason. Examples marked ``# doctest: +SKIP`` need what a test cannot have (a

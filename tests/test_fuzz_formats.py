@@ -1,4 +1,4 @@
-"""Fuzzing the two file formats of the design side (issue 20, "Done when"): the table format (``fewbit-table/1``)
+"""Fuzzing the two file formats of the design side: the table format (``fewbit-table/1``)
 and the index format (``fewbit-index/1``). Valid files are mutated (values replaced by JSON of any type, keys removed
 or added, containers wrapped, deep nesting, integer literals beyond 4300 digits, numbers beyond float64, NaN and
 Infinity tokens, truncation, random and non-UTF-8 bytes): every input either loads or raises ``FewBitError``,

@@ -139,7 +139,7 @@ def test_numba_kernel_modules_are_imported_only_inside_functions():
         {f"{m} imports {t} at module level" for m, e in GRAPH.items() for t, top in e if t in kernels and top}
     )
     # the few-bit, BLPA, compressed gated-MLP and group-quantizer (linear) kernels build on the shared packing
-    # kernels (issue 22: one copy of the packing); all load only once a CPU kernel runs
+    # kernels (one copy of the packing); all load only once a CPU kernel runs
     assert importers == [
         "fewbit_design.runtime.blpa._numba_kernels imports fewbit_design.runtime._numba_packing at module level",
         "fewbit_design.runtime.fewbit._numba_kernels imports fewbit_design.runtime._numba_packing at module level",

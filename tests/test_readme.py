@@ -1,4 +1,4 @@
-"""Every command in the README is run by CI or by a test, and the README stays short (issue 24).
+"""Every command in the README is run by CI or by a test, and the README stays short.
 
 The README's shell commands (fenced ``bash`` blocks, and inline code that starts with a command) are each listed in
 ``WHERE_RUN`` with the file that runs them; the test checks that the file really contains the command, so a command

@@ -1,4 +1,4 @@
-"""benchmarks/transformer_loss.py --quick (the smoke test of the loss runs of issue 25 item 6): every variant trains,
+"""benchmarks/transformer_loss.py --quick (the smoke test of the held-out loss runs): every variant trains,
 the ratios are against the native run of the same seed, and the converted models keep fewer bytes for backward."""
 
 import csv

@@ -1,5 +1,5 @@
-"""``fewbit-design memory``: every bad model, input or output is one line on stderr and exit status 2 (issue 20,
-item 15), checked before the model is profiled."""
+"""``fewbit-design memory``: every bad model, input or output is one line on stderr and exit status 2,
+checked before the model is profiled."""
 
 from __future__ import annotations
 

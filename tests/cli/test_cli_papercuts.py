@@ -1,4 +1,4 @@
-"""Papercuts a new user found in ``fewbit-design`` (issue 10, point 6): one regression test each."""
+"""Papercuts a new user found in ``fewbit-design``: one regression test each."""
 
 from __future__ import annotations
 

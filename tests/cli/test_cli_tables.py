@@ -1,4 +1,4 @@
-"""`fewbit-design plot`, `curves` and `tables` from the command line (issue 3): outputs and bad input."""
+"""`fewbit-design plot`, `curves` and `tables` from the command line: outputs and bad input."""
 
 import csv
 

@@ -1,4 +1,4 @@
-"""Fuzzing the command line (issue 20, "Done when"): generated argument lists for ``fewbit-design ACTIVATION``,
+"""Fuzzing the command line: generated argument lists for ``fewbit-design ACTIVATION``,
 ``plot``, ``curves``, ``tables`` and ``snr``, valid and invalid values mixed, output paths that exist, collide, are
 directories, links, FIFOs or too long. Every run exits 0, or 2 with exactly one line on stderr; never a traceback,
 never a temporary file left, never a partial output file, and an existing file is replaced only with ``--force``.

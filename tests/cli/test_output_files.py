@@ -1,4 +1,4 @@
-"""One output writer for the whole CLI (issue 20, item 6): links are written through, FIFOs in place, the outputs of
+"""One output writer for the whole CLI: links are written through, FIFOs in place, the outputs of
 one command must be different files, and the no-overwrite check is atomic."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Extreme inputs of the design (issue 20, items 7, 13 and 18): one clear error or a right answer, never an
+"""Extreme inputs of the design: one clear error or a right answer, never an
 out-of-memory, a numpy warning with a misleading message, or a wrong error labelled exact."""
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ def run(capsys, *argv: str) -> tuple[int, str, str]:
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Item 13: unbounded memory on an overflowing integrand
+# Unbounded memory on an overflowing integrand
 
 
 def test_an_overflowing_derivative_is_one_error_in_bounded_memory():
@@ -82,7 +82,7 @@ def test_adaptive_quadrature_stops_at_a_non_finite_or_never_converging_integrand
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Item 18: extreme parameters, ranges, weights and samples
+# Extreme parameters, ranges, weights and samples
 
 
 def test_a_derivative_beyond_float32_is_refused_not_written_into_a_table():
@@ -164,7 +164,7 @@ def test_empirical_samples_near_the_float_limits(samples):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# Item 7: --activation-module with a step function, a jump, an unbounded derivative
+# --activation-module with a step function, a jump, an unbounded derivative
 
 USER_ACTIVATIONS = """
 import numpy as np

@@ -1,4 +1,4 @@
-"""The shipped table set (issues 3, 10, 12): completeness, validity, level sets <= intervals, builds that are
+"""The shipped table set: completeness, validity, level sets <= intervals, builds that are
 deterministic on one machine and the same table (tables.same) across machines, and `tables verify` catching a
 tampered file. Recomputation is checked on a sample covering every activation."""
 

@@ -148,7 +148,7 @@ def test_written_files_get_ordinary_permissions(tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------------------------------
-# The design side reads table files with the runtime's bounds (issue 16.3): before the loader was shared, a 10**5-deep
+# The design side reads table files with the runtime's bounds: before the loader was shared, a 10**5-deep
 # file raised RecursionError and a 401-digit integer OverflowError from fewbit_design.load.
 
 

@@ -1,4 +1,4 @@
-"""The cross-machine definition of "the same table" (issue 10, points 1-3), without a second machine.
+"""The cross-machine definition of "the same table", without a second machine.
 
 Perturbations imitate another machine (another quadrature order, grids moved by a few ulps, one thread, numba's JIT
 off) and must be accepted; corrupted tables (a boundary moved, a level off by 1%, a stored error that does not match)

@@ -1,4 +1,4 @@
-"""``runtime.convert`` (runtime/conversion.py) on tiny Hugging Face models of every family issue 25 names (configs,
+"""``runtime.convert`` (runtime/conversion.py) on tiny Hugging Face models of every supported family (configs,
 no downloads) and on plain torch.nn: by default it applies memory-sharing norms, the gated-MLP op and few-bit
 activations, measures each on a probe built from the config, and never leaves a model saving more for backward.
 

@@ -1,5 +1,5 @@
 """``memory.saved_bytes`` counts what a compiled forward saves for backward, the same way as in eager mode (the
-baseline every transformer claim is measured against; issue 25). Expected counts are computed by hand from the
+baseline every transformer claim is measured against). Expected counts are computed by hand from the
 shapes: what a linear layer's backward needs is its input (for the weight gradient) and its weight (for the input
 gradient); the weight is a parameter, which the counter excludes in both modes."""
 

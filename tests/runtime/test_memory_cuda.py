@@ -1,4 +1,4 @@
-"""``memory.peak`` against the CUDA caching allocator (issue 23.2; split from test_cuda_models.py).
+"""``memory.peak`` against the CUDA caching allocator.
 
 Every test here is marked ``cuda`` (skipped without a GPU; scripts/gpu_suite.sh runs them). Oracle:
 ``torch.cuda.max_memory_allocated``.

@@ -1,4 +1,4 @@
-"""Mixed precision end to end (issue 16.2): a converted model under torch.autocast with GradScaler.
+"""Mixed precision end to end: a converted model under torch.autocast with GradScaler.
 
 * float16 + GradScaler("cpu"), forced to overflow (a huge loss scale; an input that overflows float16): the
   converted model skips exactly the steps the unconverted one skips (the scaler's found-inf and its scale sequence

@@ -1,4 +1,4 @@
-"""Plan files and plan objects are checked completely, when read and when applied (issue 20, items 1, 2, 16, 19).
+"""Plan files and plan objects are checked completely, when read and when applied.
 
 A checkpoint plan whose segments do not tile the blocks would run a different function; a memory plan whose choices
 use a technique its ``settings.allow`` leaves out would change gradients it promised exact. Every test here failed
@@ -67,7 +67,7 @@ def edited(plan, **changes) -> dict:
     return data
 
 
-# --- item 1: checkpoint plans ------------------------------------------------------------------------------------
+# --- checkpoint plans --------------------------------------------------------------------------------------------
 SEGMENT_EDITS = [
     ([{"start": 0, "stop": 2, "checkpoint": True}, {"start": 3, "stop": 4, "checkpoint": False}], "starts at 3"),
     ([{"start": 0, "stop": 3, "checkpoint": True}, {"start": 2, "stop": 4, "checkpoint": False}], "starts at 2"),
@@ -175,7 +175,7 @@ def test_checkpoint_plan_file_round_trip_and_bad_files(checkpoint_plan, tmp_path
         checkpoint.load_plan(tmp_path / "missing.json")
 
 
-# --- item 2: memory plans keep to settings.allow; offload settings are offload's own ------------------------------
+# --- memory plans keep to settings.allow; offload settings are offload's own -------------------------------------
 def test_memory_plan_choices_must_use_allowed_techniques_only(memory_plan):
     data = edited(memory_plan)
     data["settings"]["allow"] = ["checkpoint"]
@@ -269,7 +269,7 @@ def test_memory_plan_differences_of_live_bytes_may_be_negative(memory_plan):
     assert plan.costs.post_forward_peak == plan.costs.post_bytes == plan.costs.blocks[0].options[0].kept == -64
 
 
-# --- item 16: plan_memory's inputs, apply twice, load_plan of bad files, from_dict of non-dicts ------------------
+# --- plan_memory's inputs, apply twice, load_plan of bad files, from_dict of non-dicts ---------------------------
 def test_plan_memory_refuses_what_it_cannot_plan():
     x = torch.randn(4, WIDTH)
     with pytest.raises(FewBitError, match="has no blocks"):
@@ -315,7 +315,7 @@ def test_memory_plan_from_dict_of_a_non_dict_or_non_numbers_is_one_error(memory_
         MemoryPlan.from_dict(edited(memory_plan, baseline_bytes="many"))
 
 
-# --- item 19: one budget syntax; plans check the model they are applied to -------------------------------------
+# --- one budget syntax; plans check the model they are applied to ------------------------------------------------
 def test_checkpoint_plan_takes_the_planner_budget_forms():
     blocks = chain(6)
     profile = checkpoint.profile(blocks, torch.randn(16, WIDTH))
@@ -410,7 +410,7 @@ def test_plans_saved_before_fingerprints_still_load_and_apply(checkpoint_plan, m
     assert torch.equal(old_memory.apply(mlp())(x), mlp()(x))
 
 
-# --- done-when: fuzzing both plan formats ------------------------------------------------------------------------
+# --- fuzzing both plan formats -----------------------------------------------------------------------------------
 def _paths(value, prefix=()):
     """Every place in a JSON document: (path of keys/indices)."""
     yield prefix

@@ -15,7 +15,7 @@ writes a report; the delays are printed on failure.
 
 One loss is torch's, not ours: ``torch.utils.checkpoint`` (non-reentrant, what the checkpoint technique runs) keeps
 its recomputed tensors in ``weakref.WeakKeyDictionary`` objects, whose removal callbacks are Python, so an interrupt
-that lands in one is printed as "Exception ignored" and lost (seen once in a full suite run, session 7). A try that
+that lands in one is printed as "Exception ignored" and lost (seen once in a full suite run). A try that
 hangs with only such a loss (the lost traceback is in ``WeakKeyDictionary``'s callback and names no file of this
 project) is tried again, at most twice; a loss in this project's code still fails.
 """
@@ -292,7 +292,7 @@ def _lost_in_torch_weak_keys(segment: str) -> bool:
 
 
 def test_only_losses_in_torchs_weak_key_callbacks_are_tried_again():
-    torch_loss = (  # (the traceback seen in session 7, with torch's non-reentrant checkpoint)
+    torch_loss = (  # (the traceback once seen, with torch's non-reentrant checkpoint)
         "Exception ignored in: <function WeakKeyDictionary.__init__.<locals>.remove at 0x7f400dfca520>\n"
         "Traceback (most recent call last):\n"
         '  File "/usr/lib/python3.11/weakref.py", line 369, in remove\n'

@@ -249,7 +249,7 @@ class _BNReLUFunction(torch.autograd.Function):
         else:
             a3, stored = _forward_reference(x, mean, invstd, gamma, beta, spec)
         if spec.bits is not None and not _all_finite(a3, mean, invstd, gamma, beta):
-            # non-finite rule (issue 16.1, as for few-bit activations): codes cannot carry NaN or +-inf, so a call
+            # non-finite rule (as for few-bit activations): codes cannot carry NaN or +-inf, so a call
             # whose A1 has a non-finite element keeps A1 exactly (the bits=None storage) and its backward is the exact
             # unit's: NaN and inf reach the gradients as they do without BLPA (GradScaler still sees them). Finite
             # calls pay one sum over A3 and per-channel checks, and store exactly what they stored before.

@@ -106,7 +106,7 @@ def _check_labels(labels: torch.Tensor, vocab_size: int, ignore_index: int) -> N
 
 
 def _no_autocast_cache() -> None:
-    """Why the ops run their bodies with autocast off (issue 26.5, found while testing autocast).
+    """Why the ops run their bodies with autocast off (found while testing autocast).
 
     A custom op's body runs below autograd but still under an enclosing ``torch.autocast``: its ``F.linear`` would
     cast a float32 ``weight`` to the autocast dtype and *cache* that cast, made without autograd, in autocast's

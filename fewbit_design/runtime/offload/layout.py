@@ -6,8 +6,8 @@ the last, ``1 + sum((size - 1) * stride)`` elements. It is restored with the sam
 conjugate/negative bits at storage offset 0 of a fresh storage, so autograd sees the tensor it saved, bit for
 bit (a zero-size tensor moves no bytes). Needs torch; imports nothing else from the project.
 
-The synchronous disk path (issue 26: a step offloads hundreds of tensors, and the hooks' Python was most of the
-cost) moves the bytes without a torch view: :func:`address_bytes` is a ``memoryview`` of a CPU tensor's span at its
+The synchronous disk path (a step offloads hundreds of tensors, so the hooks' Python can be most of the cost)
+moves the bytes without a torch view: :func:`address_bytes` is a ``memoryview`` of a CPU tensor's span at its
 address, and :func:`empty` allocates the restored tensor itself (sizes, strides, dtype; its storage is exactly the
 span), so a read goes straight into it. Layouts are cached per (sizes, strides, dtype, flags).
 """

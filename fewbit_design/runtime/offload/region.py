@@ -119,7 +119,7 @@ def _never_compiled(hook: Any) -> Any:
     when run: ``BackendCompilerFailed``). The hooks are plain Python by design; dynamo is only imported where
     something already compiles (so ``import fewbit_design.runtime`` stays lean).
 
-    Not ``torch._dynamo.disable(hook)`` (issue 26): it builds a ``DisableContext`` (about 0.1 ms) per region entry,
+    Not ``torch._dynamo.disable(hook)``: it builds a ``DisableContext`` (about 0.1 ms) per region entry,
     and each of its calls sets the frame callback three times and asks whether an export runs. Here the wrapper's
     own frame is skipped by dynamo (``skip_code``, as dynamo does for its non-recursive wrapper) and clears the
     callback for the hook's frames only where one is set (the check costs one C call)."""

@@ -286,8 +286,8 @@ class Session:
         return True
 
     def pack(self, tensor: torch.Tensor) -> Any:
-        # (issue 26: this runs for every saved tensor, hundreds a step; each step below is guarded so that the
-        # common case, nothing freed and nothing in flight, costs no call)
+        # runs for every saved tensor, hundreds a step: each step below is guarded so that the common case,
+        # nothing freed and nothing in flight, costs no call
         if self._closed is not None:
             raise FewBitError(self._closed)
         self.packed += 1
@@ -356,7 +356,7 @@ class Session:
         GPT-2, each spanning almost all of it; a linear's input saved as (batch, sequence, width) and as
         (batch * sequence, width); one input saved by three projections), and each was written, and read back,
         on its own. Each is restored as a view of the storage read back, at its own offset, as autograd saved it
-        (issue 26: GPT-2 wrote 69 MiB a step for 48 MiB of distinct bytes, LLaMA 73.5 for 61.5)."""
+        (written view by view, GPT-2 wrote 69 MiB a step for 48 MiB of distinct bytes, LLaMA 73.5 for 61.5)."""
         storage = tensor.untyped_storage()
         whole = storage.nbytes()
         if whole <= 2 * layout.nbytes and whole % layout.itemsize == 0:

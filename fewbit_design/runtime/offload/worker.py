@@ -5,13 +5,13 @@ drops its graph, whatever is queued. The thread starts on the first job and then
 lock; it ends when the worker is closed (the step's target is closed) or after ``LINGER_SECONDS`` without a job, so
 no thread outlives a step for long, and none runs while nothing is queued for that long. Pure Python (no torch).
 
-Why one thread that waits, and not a thread per burst (issue 26): until session 5 the thread ended as soon as its
-queue was empty, and the queue empties between saved tensors, so a step started a thread about every transfer
-(216 on the 12-layer LLaMA benchmark model with ``prefetch=2``: ``Thread.start`` costs tens of microseconds of the
-training thread's time each and, on a loaded machine, a wait for the scheduler). A waiting thread is woken by
-releasing a lock. (Session 4 measured a thread that waited 0.25 s as slower on the loaded 2-core machine: the woken
-thread queued behind the training thread. Offloading under the planner writes synchronously, ``prefetch=0``, and
-runs no thread at all; ``prefetch > 0`` is for machines with a core to spare.)
+Why one thread that waits, and not a thread per burst: the queue empties between saved tensors, so a thread that
+ended as soon as its queue was empty would start about once per transfer (216 times a step on the 12-layer LLaMA
+benchmark model with ``prefetch=2``: ``Thread.start`` costs tens of microseconds of the training thread's time each
+and, on a loaded machine, a wait for the scheduler). A waiting thread is woken by releasing a lock. (A thread that
+waited 0.25 s measured slower on the loaded 2-core machine: the woken thread queued behind the training thread.
+Offloading under the planner writes synchronously, ``prefetch=0``, and runs no thread at all; ``prefetch > 0`` is
+for machines with a core to spare.)
 
 Interrupts. A ``KeyboardInterrupt`` is raised in the main thread after any call returns, also inside the Python
 code of ``threading`` (``Thread.start``, ``Event.wait``, ``Condition.wait``), where it can leave a lock held

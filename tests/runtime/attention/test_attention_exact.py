@@ -1,7 +1,7 @@
 """attention.exact and the default runtime.convert: the attention core keeps the value projection's input (which
 q_proj and k_proj keep anyway) instead of v and rebuilds v in backward. Forward and gradients equal native (eager
 bitwise; compiled within tests/tolerances.py), one hidden-sized tensor per token less saved, eager and compiled, and a
-LLaMA block (I = 8/3 H, no GQA) saves at most 0.70x of the compiled native block (issue 25)."""
+LLaMA block (I = 8/3 H, no GQA) saves at most 0.70x of the compiled native block."""
 
 import copy
 
@@ -109,7 +109,7 @@ def _block_bytes(model, x, kwargs, compile_it):
 
 
 def test_default_convert_llama_block_at_most_0_70_of_compiled_native():
-    """Issue 25: a LLaMA block after the default runtime.convert (exact modes) saves at most 0.70x of the compiled
+    """A LLaMA block after the default runtime.convert (exact modes) saves at most 0.70x of the compiled
     native block, eager and compiled. Per token the block keeps the two norm outputs, q and k, the attention output
     and gate and up: (5 H + 2 I) / (8 H + 3 I) = 0.646 at I = 8/3 H; keeping v too, 0.708."""
     native = build()

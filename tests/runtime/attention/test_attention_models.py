@@ -1,7 +1,7 @@
 """attention.convert and runtime.convert(compress=K) on tiny Hugging Face models: the converted attention core gives
 the model's own output bitwise and gradients close to native; it is undone cleanly; models on 'eager' attention are
 left with the reason; and a compressed LLaMA / GPT-2 block under compile saves at most 0.40x / 0.50x of the compiled
-native block (issue 25's targets)."""
+native block."""
 
 import copy
 
@@ -124,7 +124,7 @@ def _compiled_block_bytes(model, family, x, kwargs):
 
 @pytest.mark.parametrize("family, bound", [("llama", 0.40), ("gpt2", 0.50)])
 def test_compress_8_block_against_compiled_native(family, bound):
-    """Issue 25: with 8-bit compression (runtime.convert(compress=8)) a LLaMA block saves at most 0.40x and a GPT-2
+    """With 8-bit compression (runtime.convert(compress=8)) a LLaMA block saves at most 0.40x and a GPT-2
     block at most 0.50x of what the native block saves under torch.compile (head dim 64: one group per head row).
     Both compiled the same way; the benchmark (benchmarks/transformer_memory.py) gives the same ratios at width 256."""
     native = build(family, hidden=128, heads=2, kv_heads=2)

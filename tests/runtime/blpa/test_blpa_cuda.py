@@ -1,4 +1,4 @@
-"""BLPA units on a GPU against CPU (issue 23.2; split from test_cuda_models.py).
+"""BLPA units on a GPU against CPU.
 
 Every test here is marked ``cuda`` (skipped without a GPU; scripts/gpu_suite.sh runs them). Oracle: the same unit on
 CPU (float64, TF32 off).

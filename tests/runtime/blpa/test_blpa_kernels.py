@@ -86,7 +86,7 @@ def test_backend_choice_is_checked():
 @pytest.mark.parametrize("bits", range(1, 9))
 @pytest.mark.parametrize("planes", [(0, 3), (8, 11), (0, 16)])
 def test_blpa_packs_with_the_shared_packing_kernels(bits, planes):
-    # issue 22.5: BLPA had its own bit-stream packing beside runtime._numba_packing (the same layout, slower: 2-5x at
+    # BLPA had its own bit-stream packing beside runtime._numba_packing (the same layout, slower: 2-5x at
     # 2^22 codes); it now calls the shared kernels, whose stream is the reference packing's
     from fewbit_design.runtime import _numba_packing, _packing
     from fewbit_design.runtime.blpa import _numba_kernels as blpa_kernels

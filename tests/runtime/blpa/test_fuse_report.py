@@ -1,5 +1,5 @@
-"""blpa.convert always returns the model; its report is the attribute ``blpa_report`` (issue 21: ``report=True``
-changed the return type to a tuple)."""
+"""blpa.convert always returns the model; its report is the attribute ``blpa_report`` (``report=True`` used to
+change the return type to a tuple)."""
 
 import pytest
 from torch import nn

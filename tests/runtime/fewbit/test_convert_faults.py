@@ -1,4 +1,4 @@
-"""Issue 20 (faults and bad input, round 2) for few-bit conversion and modules: every place of a shared activation is
+"""Faults and bad input of few-bit conversion and modules: every place of a shared activation is
 replaced, hyper-parameters keep the table in step, convert is all or nothing, table names must match, the model
 itself may be the activation, arguments are checked up front, inference mode, torch.func, shape-changing FewBit
 functions, and the memory of the half-precision backward.
@@ -382,7 +382,7 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
         fewbit = backward_peak(fnn.GELU(table=table), x, grad)
     native = backward_peak(torch.nn.GELU(), x, grad)
     assert native >= numel * 2  # the instrument sees the gradient
-    # no float32 copy beside the gradient (issue 20.14: 5x the gradient's bytes; issue 22: the kernel reads and writes
+    # no float32 copy beside the gradient (such a copy took 5x the gradient's bytes; the kernel reads and writes
     # 16 bits, in float32 only per chunk of CHUNK elements). The slack, 1 MiB (an eighth of a float32 copy), covers
     # Python objects of a call (numba's argument boxing, the pool's futures: 45-85 KB traced by tracemalloc)
     assert fewbit <= native + (1 << 20), (fewbit, native)

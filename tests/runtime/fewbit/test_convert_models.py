@@ -184,7 +184,7 @@ def test_a_shared_activation_becomes_one_shared_replacement(model_tables):
     report = runtime.convert(model).fewbit_report
     assert isinstance(model[2], fnn.GELU) and model[0].act is model[2]
     assert model.alias is model[0]
-    # every name it has is listed (issue 20.3), the one under the alias included
+    # every name it has is listed, the one under the alias included
     assert len(report.replaced) == 1 and report.replaced[0].names == ("0.act", "2", "alias.act")
     assert len({id(module) for module in model.modules() if isinstance(module, fnn.GELU)}) == 1
     x = torch.randn(3, 4, requires_grad=True)

@@ -1,5 +1,5 @@
-"""convert always returns the model; its report is the attribute ``fewbit_report`` (issue 21: ``report=True``
-changed the return type to a tuple)."""
+"""convert always returns the model; its report is the attribute ``fewbit_report`` (``report=True`` used to
+change the return type to a tuple)."""
 
 import pytest
 import torch

@@ -1,4 +1,4 @@
-"""The CPU (numba) paths of issue 22: the blocked one-pass forward and the native 16-bit backward.
+"""The CPU (numba) paths: the blocked one-pass forward and the native 16-bit backward.
 
 Every path is compared bitwise with the pure-torch reference (codes, gradients) and with the native torch op (the
 forward), in every dtype, at sizes 0, 1, 7 and 2^k +- 1 around the block size (made small here, so that many blocks
@@ -98,7 +98,7 @@ def test_blocked_forward_takes_the_record_before_an_in_place_fn_sees_the_block(o
 
 
 def test_forward_reads_x_once_in_blocks_without_a_separate_non_finite_pass(one_thread, monkeypatch):
-    # issue 22: the forward ran the codes over all of x, then a reduction over all of x (the non-finite check), then
+    # the forward ran the codes over all of x, then a reduction over all of x (the non-finite check), then
     # the native op over all of x: three passes. Now the native op sees blocks whose codes were just computed, and
     # the kernels count non-finite elements, so the reduction never runs on the numba path.
     def no_reduction(x):
@@ -190,7 +190,7 @@ def test_16_bit_backward_matches_the_reference_at_every_size(dtype, numel, bits)
 
 
 def test_16_bit_backward_makes_no_float32_copy_of_the_gradient(monkeypatch):
-    # issue 22: the gradient was copied to float32 and the product copied back (two extra passes): the kernel now
+    # the gradient was copied to float32 and the product copied back (two extra passes): the kernel now
     # reads and writes the 16-bit patterns, so no float32 tensor of the gradient's size is made
     made = []
     empty = torch.empty
@@ -213,7 +213,7 @@ def test_16_bit_backward_makes_no_float32_copy_of_the_gradient(monkeypatch):
 
 
 def test_eager_call_skips_torchs_argument_binding(monkeypatch):
-    # issue 22.5: torch's Function.apply ran inspect.signature(forward).bind(...) on every call, about 20 us (a native
+    # torch's Function.apply ran inspect.signature(forward).bind(...) on every call, about 20 us (a native
     # GELU of 2^14 elements); the few-bit op passes every argument positionally and skips it in eager mode
     def binding_apply(cls, *args, **kwargs):
         raise AssertionError("torch's Function.apply (inspect.signature(...).bind) ran on the eager path")
@@ -232,7 +232,7 @@ def test_eager_call_skips_torchs_argument_binding(monkeypatch):
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_repeated_calls_prepare_the_table_once(monkeypatch, dtype):
-    # issue 22 (the fixed cost of a call): every call converted the table to numpy and hashed its bytes to find its
+    # the fixed cost of a call: every call converted the table to numpy and hashed its bytes to find its
     # LUT (8 us, half a native GELU of 2^14 elements); now a call with a table seen before reuses a cached plan
     tensors = op.table_tensors(random_table(bits=3, seed=11))
     boundaries, _ = tensors.for_input(dtype)
@@ -298,7 +298,7 @@ def never_called(x):
 @pytest.mark.parametrize("numel", SIZES[1:] + [2**16 - 1, 2**16 + 1])
 @pytest.mark.parametrize("bits", [1, 3, 8])
 def test_relu_forward_computes_y_and_codes_in_one_pass(bits, numel, dtype):
-    # issue 22: relu's forward ran the codes kernel (a 65536-entry LUT gather, 4-10x native relu), then torch's
+    # relu's forward ran the codes kernel (a 65536-entry LUT gather, 4-10x native relu), then torch's
     # relu; a one-boundary table now takes a vectorised kernel that also writes y, bitwise torch's relu
     from fewbit_design.runtime.tables import load_table
 
@@ -392,7 +392,7 @@ def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kerne
 @pytest.mark.parametrize("numel", [0, 1, 7, 63, 64, 65, 1023, 1025])
 @pytest.mark.parametrize("name", ["gelu", "silu", "tanh"])
 def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dtype):
-    # issue 22 (the fixed cost of a call): small inputs take _forward_two_passes, which reads x through numpy (a copy
+    # the fixed cost of a call: small inputs take _forward_two_passes, which reads x through numpy (a copy
     # only where x is not contiguous) and writes the codes into numpy memory shared with torch
     table = random_table(bits=3, seed=21)
     tensors = op.table_tensors(table)
@@ -412,7 +412,7 @@ def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dty
 
 
 def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
-    # issue 22 (the fixed cost of a call): backend_for read FEWBIT_BACKEND with os.environ.get on every forward and
+    # the fixed cost of a call: backend_for read FEWBIT_BACKEND with os.environ.get on every forward and
     # backward (1-2 us: the key is encoded each time); it now probes os.environ's own mapping, so a change still takes
     # effect at the next call
     reads = []
@@ -444,7 +444,7 @@ def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("bits, boundaries", [(1, 2), (2, 3), (3, 9), (3, 12), (4, 12)])
 def test_16_bit_steps_kernel_on_every_pattern_is_the_reference(dtype, bits, boundaries):
-    # issue 22 (bfloat16 forward): 16-bit tables with at most STEPS_BOUNDARIES boundaries compare the pattern's
+    # bfloat16 forward: 16-bit tables with at most STEPS_BOUNDARIES boundaries compare the pattern's
     # signed key with one key per boundary (vectorised) instead of a 65536-entry lookup per element: every pattern
     # (NaN, +-inf, -0, subnormals) at sizes that end inside a chunk and inside a group of 8
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
@@ -469,7 +469,7 @@ def test_16_bit_steps_keys_refuse_a_table_they_cannot_reproduce():
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("numel", [0, 1, 7, 63, 65, 4097])
 def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel):
-    # issue 22 (the fixed cost of a call): scale_numba reads the gradient through numpy (flattened there, copied only
+    # the fixed cost of a call: scale_numba reads the gradient through numpy (flattened there, copied only
     # where it is not contiguous): a 1-D strided gradient stays strided through reshape, so it must be copied
     tensors = op.table_tensors(random_table(bits=3, seed=23))
     _, levels = tensors.for_input(dtype)
@@ -491,7 +491,7 @@ def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel)
 @pytest.mark.parametrize("bits", [1, 2, 3])
 @pytest.mark.parametrize("numel", [1, 7, 9, 4095, 4097, 8195])
 def test_backward_select_tree_picks_every_level(dtype, bits, numel):
-    # issue 22 (backward): at 1-3 bits the backward kernels (16-bit and float32/64) expand the codes to bytes and pick
+    # backward: at 1-3 bits the backward kernels (16-bit and float32/64) expand the codes to bytes and pick
     # the level by a tree of selects on the code's bits instead of a table load; every code at every position of a
     # group, across chunk ends (4096), with zero levels of both signs (+0 out, as torch selects)
     count = 2**bits

@@ -1,4 +1,4 @@
-"""Exact gradients at kinks (issue 10.3, runtime side), with torch as the oracle.
+"""Exact gradients at kinks (runtime side), with torch as the oracle.
 
 Convention (DESIGN.md): x >= boundary -> the interval on the right; the runtime rounds boundaries *up* to float32.
 A table is exact at a kink k when its boundary sits at k where torch uses the right piece there, and at

@@ -1,4 +1,4 @@
-"""Non-finite inputs (issue 16.1): the gradient at NaN and +-inf is torch's, in every kernel and in BLPA.
+"""Non-finite inputs: the gradient at NaN and +-inf is torch's, in every kernel and in BLPA.
 
 Rule: codes have no spare value, so the few-bit op keeps a sparse record of the non-finite elements of x
 (int64 positions + their values, nothing when every element is finite); backward puts NaN at NaN and torch's own
@@ -24,7 +24,7 @@ SPECIAL = [math.nan, math.inf, -math.inf]
 
 
 def test_regression_nonfinite_input_is_not_masked():
-    # issue 16: few-bit SiLU returned a finite level at NaN and the outermost level at +-inf; torch returns NaN
+    # few-bit SiLU returned a finite level at NaN and the outermost level at +-inf; torch returns NaN
     x = torch.tensor([float("nan"), float("inf"), float("-inf"), 1.0], requires_grad=True)
     fnn.SiLU(bits=3)(x).backward(torch.ones(4))
     reference = x.detach().clone().requires_grad_()

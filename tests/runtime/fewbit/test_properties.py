@@ -1,4 +1,4 @@
-"""Property-based tests (hypothesis) of table loading and the few-bit kernels (issue 16.3, 16.5).
+"""Property-based tests (hypothesis) of table loading and the few-bit kernels.
 
 * random valid tables (bits, boundaries, codes, levels, modes) round-trip through JSON and load unchanged;
 * random invalid tables (each field broken in one of many ways, broken JSON, deep nesting, non-UTF-8 bytes) raise a
@@ -48,7 +48,7 @@ def relu_table(**overrides):
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# regression tests of issue 16 (both failed before the fix: RecursionError, and a table accepted with an overflow)
+# regression tests (both failed before the fix: RecursionError, and a table accepted with an overflow)
 
 
 def test_regression_level_finite_in_float64_not_float32(tmp_path):

@@ -432,7 +432,7 @@ def test_saved_bytes_against_native():
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# exact forward on every view (issue 10.4)
+# exact forward on every view
 
 VIEWS = {
     "transposed": lambda t: t.transpose(1, 3),

@@ -1,4 +1,4 @@
-"""One name per concept (issue 21): "tables" named five modules; the runtime's lookup is ``runtime/fewbit/lookup.py``
+"""One name per concept: "tables" named five modules; the runtime's lookup is ``runtime/fewbit/lookup.py``
 and the first docstring line of each table module says which concept it is."""
 
 import ast

@@ -191,7 +191,7 @@ def _relative_errors(bits, activation, fused, seed):
 @pytest.mark.parametrize("fused", [False, True])
 @pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_tanh"])
 def test_gradient_error_shrinks_with_bits(activation, fused):
-    # Regression (issue 25): the first compressed mode kept 3-bit few-bit codes of act'(gate) whatever K was, so at
+    # Regression: the first compressed mode kept 3-bit few-bit codes of act'(gate) whatever K was, so at
     # K = 8 dx and dW_gate kept the error of 3-bit few-bit (0.06-0.11, about half of their 4-bit error). Every error
     # term now comes from K-bit codes (step: the group's range / (2^K - 1), 17x smaller at 8 bits than at 4): each
     # gradient's 8-bit error is at most 1/8 of its 4-bit error (measured 1/17 to 1/15, at most 0.012), and the 4-bit

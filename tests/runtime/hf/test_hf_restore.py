@@ -1,5 +1,5 @@
 """The record of a conversion in a Hugging Face model's config (runtime.hf.record) and restore() after
-from_pretrained (issue 24, item 3): a saved converted model used to reload unconverted, silently."""
+from_pretrained: a saved converted model used to reload unconverted, silently."""
 
 from __future__ import annotations
 

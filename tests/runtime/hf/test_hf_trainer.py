@@ -1,4 +1,4 @@
-"""FewBitCallback (issue 24, item 3): a Hugging Face Trainer converts and plans at train start, logs the memory
+"""FewBitCallback: a Hugging Face Trainer converts and plans at train start, logs the memory
 report, trains, and the saved model restores its conversion after from_pretrained."""
 
 from __future__ import annotations

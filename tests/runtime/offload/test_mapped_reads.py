@@ -1,4 +1,4 @@
-"""Mapped reads of the synchronous disk path (``prefetch=0``; issue 26): a tensor read back is a view of the mapped
+"""Mapped reads of the synchronous disk path (``prefetch=0``): a tensor read back is a view of the mapped
 offload file, not a copy. What must hold: no read copies (no ``preadv``), the bytes are the saved ones, ``memory.peak``
 counts the mapped tensors exactly as it counted the copies they replace, and a file that a live tensor still maps is
 never handed to the next step (which would overwrite the bytes under it)."""

@@ -1,5 +1,5 @@
 """``blockwise`` offload (the planner's): a block's writes are finished when its region ends, and backward prefetches
-only the block's own tensors, so no transfer holds memory outside its block (issue 26: the planner can run offload
+only the block's own tensors, so no transfer holds memory outside its block (so the planner can run offload
 with ``prefetch > 0`` and still bound the peak it predicts)."""
 
 import weakref

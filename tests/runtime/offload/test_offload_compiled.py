@@ -1,4 +1,4 @@
-"""Plans with offload under ``torch.compile`` (issue 26): a plan of memory-sharing norms and offload on every block
+"""Plans with offload under ``torch.compile``: a plan of memory-sharing norms and offload on every block
 of a tiny (2 blocks) Hugging Face GPT-2 and LLaMA, compiled with ``aot_eager_decomp_partition`` (the CPU backend of the
 planner benchmark), trains a step with the gradients of the same plan run eagerly.
 

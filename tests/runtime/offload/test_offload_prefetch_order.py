@@ -1,4 +1,4 @@
-"""Prefetch in the order backward unpacks (issue 26, offload's step time on CPU).
+"""Prefetch in the order backward unpacks (offload's step time on CPU).
 
 Regression: prefetch read the positions just below the one unpacked, but a node unpacks all its saved tensors at
 once in the order it saved them (attention's query, key, value, output): those were read synchronously while

@@ -1,4 +1,4 @@
-"""The synchronous disk path (``prefetch=0``, the planner's setting; issue 26): tensors go straight from their own
+"""The synchronous disk path (``prefetch=0``, the planner's setting): tensors go straight from their own
 bytes to the file and come back straight into the restored tensor, with no transfer job, no uint8 view and no
 restore chain, and behave exactly as through the job path: the same bytes, the same layouts, the same one-line
 errors, an in-place modification never giving a wrong gradient, small tensors and parameters left in place."""

@@ -1,4 +1,4 @@
-"""The disk target's transfer thread: started once per step, not once per burst of transfers (issue 26)."""
+"""The disk target's transfer thread: started once per step, not once per burst of transfers."""
 
 import time
 
@@ -19,9 +19,9 @@ class Pause(nn.Module):
 
 
 def test_one_transfer_thread_per_step_not_one_per_burst(tmp_path, monkeypatch):
-    """Before session 5 the thread ended whenever its queue was empty, so a step whose transfers came apart started
-    one thread per transfer (here 9 writes and 9 reads, each after a pause: about 18 starts); it now waits for
-    the next job and is started once per step (the step's file target), and ends when the target is closed."""
+    """A thread that ended whenever its queue was empty would start once per transfer in a step whose transfers
+    come apart (here 9 writes and 9 reads, each after a pause: about 18 starts); it waits for the next job
+    instead, is started once per step (the step's file target), and ends when the target is closed."""
     # a stall of a loaded machine between forward and backward must not end the idle thread: this test is about
     # starts per transfer, not about the linger (raising=False: the name is new with the fix)
     monkeypatch.setattr(worker, "LINGER_SECONDS", 30.0, raising=False)

@@ -55,8 +55,8 @@ def _plans(monkeypatch, seed: int, x: torch.Tensor) -> list[tuple[str, ...]]:
 
 def test_noisy_timings_choose_the_same_plan(monkeypatch):
     """Regression: the planner took the least of a few timed runs and compared options by it, so options of
-    (nearly) equal cost swapped places from one profile to the next (the issue's plans changed with load). Then
-    (issue 26) the per-option tie rule charged an option slower than plain within the noise its own noisy time, so
+    (nearly) equal cost swapped places from one profile to the next (plans changed with load). Then the
+    per-option tie rule charged an option slower than plain within the noise its own noisy time, so
     combinations of such options across blocks swapped with the draw (4 distinct plan triples in 12 draws); a tie
     now costs exactly the ranked-first option's time, and options are timed against plain round by round. Checked
     over seeds 0-11 (one plan triple); four here to keep the suite fast."""
@@ -91,7 +91,7 @@ def _relative_times(monkeypatch, clock: SlowingClock) -> tuple[list[dict[str, fl
 
 @pytest.mark.parametrize("fraction", [0.3, 0.55, 0.8])
 def test_a_slowdown_partway_through_profiling_charges_no_option_more(monkeypatch, fraction):
-    """Regression (issue 26): each option was timed over its own runs, one option after another, so when the
+    """Regression: each option was timed over its own runs, one option after another, so when the
     machine slowed down partway through the profile, the options timed after that moment were charged up to twice
     their time against plain, and the plan followed the load. Timed round by round against plain in the same round,
     each option's time relative to plain is what a steady clock gives (the one round cut by the change is outvoted
@@ -114,7 +114,7 @@ def _option(name: str, seconds: float, spread: float, kept: int = 100) -> Option
 
 @pytest.mark.parametrize("fewbit_seconds", [0.99, 0.97, 1.0, 1.02])
 def test_a_tie_goes_to_fewer_techniques(fewbit_seconds):
-    """Few-bit within the noise of plain (1.5% faster, as in the issue): charged as plain, and the plan at a budget
+    """Few-bit within the noise of plain (1.5% faster): charged as plain, and the plan at a budget
     that both fit is plain, whichever of the two measured faster."""
     chain = ChainCosts((_block(_option("plain", 1.0, 0.02), _option("fewbit", fewbit_seconds, 0.02, kept=50)),))
     settled = settle_ties(chain)
@@ -137,7 +137,7 @@ def test_options_without_a_measured_spread_never_tie():
 
 @pytest.mark.parametrize("fewbit_extra, linear_extra", [(0.0, 0.0), (0.03, 0.01), (0.01, 0.03), (0.04, 0.02)])
 def test_options_slower_than_plain_within_the_noise_cost_plain_and_the_plan_stays(fewbit_extra, linear_extra):
-    """Regression (issue 26): an option slower than plain within the noise kept its own measured time, so which of
+    """Regression: an option slower than plain within the noise kept its own measured time, so which of
     two such options (and which combination across blocks) the plan took followed the noise of the draw. Each is
     charged plain's time exactly now: every plan of one converted block costs the same, and the fixed tie-break
     picks the same plan whatever the draw."""

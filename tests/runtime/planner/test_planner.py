@@ -351,7 +351,7 @@ def test_stock_causal_lm_with_its_cache_on_plans_and_trains(kind):
         loss.backward()
         optimizer.step()
         assert math.isfinite(loss.item())
-    # at a budget the unconverted model fits (issue 26): every block plain, and applying the plan changes nothing
+    # at a budget the unconverted model fits: every block plain, and applying the plan changes nothing
     for budget in (1.0, None, plans[0].unconverted_peak_bytes):
         full = plans[0].replan(budget)
         assert full.choices == ("plain",) * len(full.choices) and full.techniques_used() == set(), budget

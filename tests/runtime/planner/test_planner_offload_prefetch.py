@@ -1,4 +1,4 @@
-"""The planner with offload's transfers on a thread (``offload_prefetch > 0``, issue 26): the plan's offload is
+"""The planner with offload's transfers on a thread (``offload_prefetch > 0``): the plan's offload is
 blockwise, each offloaded block's predicted peaks carry ``prefetch`` times its largest transfer, so the measured
 peak never exceeds the prediction whatever the transfer thread's timing; the setting round-trips through plan.json."""
 

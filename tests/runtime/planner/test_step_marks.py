@@ -1,5 +1,5 @@
 """Where each predicted event ends in a measured step (``MemoryPlan.measure`` -> ``measured["marks"]``), so the
-``memory`` figure draws the predicted and the measured live bytes on one x axis (issue 24 item 4)."""
+``memory`` figure draws the predicted and the measured live bytes on one x axis."""
 
 from __future__ import annotations
 

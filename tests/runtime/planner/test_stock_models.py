@@ -1,4 +1,4 @@
-"""Stock Hugging Face configs of every family plan and apply without error (issue 26, item 1): each model from its
+"""Stock Hugging Face configs of every family plan and apply without error: each model from its
 default config with tiny sizes, caches at their defaults. Planned with ``allow=("checkpoint",)`` to keep the test
 fast (the full profile of every technique is what tests/runtime/planner/test_planner.py runs on GPT-2 and LLaMA)."""
 

@@ -1,4 +1,4 @@
-"""Reversible nets on a GPU against CPU (issue 23.2; split from test_cuda_models.py).
+"""Reversible nets on a GPU against CPU.
 
 Every test here is marked ``cuda`` (skipped without a GPU; scripts/gpu_suite.sh runs them). Oracle: the same net on
 CPU (float64).
