@@ -44,6 +44,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ..linear.nn import CompressedConv1D, CompressedLinear, share_state
 from ..linear.quant import GROUP_SIZE, check_options
+from ..modules import slots, swap
 from .exact import ValueLinear, take_recipe, value_recompute_attention
 from .ops import compressed_attention
 
@@ -274,62 +275,56 @@ def convert(
     if filter is not None and not callable(filter):
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
     report = AttentionReport(bits if mode == "compressed" else None, group_size, mode=mode)
-    decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
-
-    def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
-        if id(module) in decided:  # a module at several places: one decision, one shared replacement
-            return decided[id(module)]
-        implementation, replacement = _attention_core(module), None
-        kind = type(module).__name__
+    found = slots(model, root=False)
+    replacements: dict[int, torch.nn.Module] = {}
+    for slot in found:
+        name, module = slot.names[0], slot.module
+        implementation = _attention_core(module)
         if implementation == IMPLEMENTATION:
             report.already += 1
-        elif implementation is not None and implementation != "sdpa":
-            report.skipped.append(
-                (
-                    name,
-                    kind,
-                    f"attention implementation {implementation!r}: the compressed core stands in for 'sdpa' only "
-                    "(load the model with attn_implementation='sdpa')",
-                )
-            )
-        elif implementation == "sdpa" and _dropout(module) > 0.0:
-            report.skipped.append(
-                (
-                    name,
-                    kind,
-                    f"attention dropout {_dropout(module)}: in training it would run native SDPA (the compressed "
-                    "core has no dropout)",
-                )
-            )
-        elif implementation == "sdpa" and mode == "exact" and _value_projection(module) is None:
-            report.skipped.append(
-                (
-                    name,
-                    kind,
-                    f"no value projection ({' / '.join(VALUE_PROJECTIONS)}, a torch.nn.Linear): v cannot be rebuilt",
-                )
-            )
-        elif implementation == "sdpa" and (filter is None or filter(name, module)):
-            _register()
-            replacement = share_state(module, type(module))
-            replacement.config = copy.copy(module.config)
-            # the copy's own name only: its sub-configs are the original's objects, left as they are
-            replacement.config._attn_implementation_internal = IMPLEMENTATION
-            if mode == "exact":
-                projection = _value_projection(module)
-                replacement._modules[projection] = share_state(module._modules[projection], ValueLinear)
-                setattr(replacement, OPTIONS, ("exact", projection))
-            else:
-                setattr(replacement, OPTIONS, (bits, group_size))
-            report.replaced.append((name, kind))
-        decided[id(module)] = replacement
-        return replacement
-
-    for parent_name, parent in list(model.named_modules(remove_duplicate=False)):
-        for attribute, child in list(parent._modules.items()):
-            if child is not None:
-                replacement = decide(f"{parent_name}.{attribute}" if parent_name else attribute, child)
-                if replacement is not None:
-                    parent._modules[attribute] = replacement
+            continue
+        if implementation is None or (implementation == "sdpa" and filter is not None and not filter(name, module)):
+            continue
+        reason = _left_alone(module, implementation, mode)
+        if reason is not None:
+            report.skipped.append((name, type(module).__name__, reason))
+            continue
+        replacements[id(module)] = _converted_copy(module, mode, bits, group_size)
+        report.replaced.append((name, type(module).__name__))
+    swap(model, found, replacements)
     model.attention_report = report
     return model
+
+
+def _left_alone(module: torch.nn.Module, implementation: str, mode: str) -> str | None:
+    """Why an attention module with this implementation is left alone in ``mode``, or None: it is converted."""
+    if implementation != "sdpa":
+        return (
+            f"attention implementation {implementation!r}: the compressed core stands in for 'sdpa' only "
+            "(load the model with attn_implementation='sdpa')"
+        )
+    if _dropout(module) > 0.0:
+        return (
+            f"attention dropout {_dropout(module)}: in training it would run native SDPA (the compressed core has no "
+            "dropout)"
+        )
+    if mode == "exact" and _value_projection(module) is None:
+        return f"no value projection ({' / '.join(VALUE_PROJECTIONS)}, a torch.nn.Linear): v cannot be rebuilt"
+    return None
+
+
+def _converted_copy(module: torch.nn.Module, mode: str, bits: int, group_size: int) -> torch.nn.Module:
+    """A shallow copy of the attention module (its parameters, hooks and attributes) whose config names
+    :data:`IMPLEMENTATION` and which holds the options (the model's own config is not changed)."""
+    _register()
+    replacement = share_state(module, type(module))
+    replacement.config = copy.copy(module.config)
+    # the copy's own name only: its sub-configs are the original's objects, left as they are
+    replacement.config._attn_implementation_internal = IMPLEMENTATION
+    if mode == "exact":
+        projection = _value_projection(module)
+        replacement._modules[projection] = share_state(module._modules[projection], ValueLinear)
+        setattr(replacement, OPTIONS, ("exact", projection))
+    else:
+        setattr(replacement, OPTIONS, (bits, group_size))
+    return replacement

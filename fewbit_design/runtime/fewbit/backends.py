@@ -334,7 +334,7 @@ def _forward_two_passes(
 ) -> tuple[torch.Tensor, torch.Tensor, tuple[torch.Tensor, torch.Tensor] | None]:
     """:func:`forward_numba` as the codes of all of x (split over the kernel threads), then ``native(x)``.
 
-    The fixed cost of a call (issue 22): the calls :func:`_codes_numba` makes, without the ones that repeat work
+    The fixed cost of a call: the calls :func:`_codes_numba` makes, without the ones that repeat work
     done once per table (the plan, cached) or per call here (flattening x once, for the codes and the record).
     """
     check_input(x, boundaries, interval_codes, bits)
@@ -425,7 +425,7 @@ def scale_numba(grad: torch.Tensor, packed: torch.Tensor, levels: torch.Tensor, 
         kernels.run(kernels.unpack_scale(bits), numel, grad_np, packed_np, levels_np, out.numpy())
         return out.view(grad.shape)
     # float16 / bfloat16 gradients: read and written as 16-bit patterns, computed in float32 in the kernel and
-    # rounded once as torch rounds (no float32 copy of the gradient: issue 20.14's memory, issue 22's two passes)
+    # rounded once as torch rounds (no float32 copy of the gradient, which would cost memory and a second pass)
     out = torch.empty(numel, dtype=grad.dtype)
     bfloat = grad.dtype == torch.bfloat16
     kernel = kernels.unpack_scale16(bits, bfloat)

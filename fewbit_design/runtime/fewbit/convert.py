@@ -48,6 +48,7 @@ from ...design import activations
 from ...errors import FewBitError, check_boolean, check_choice, check_integer, close_matches
 from ...table import MODES, Table
 from .. import memory
+from ..modules import Slot, swap
 from ..probe import example_errors, forward_bytes, no_side_effects, run_example
 from .lookup import WEIGHTS, TableLike, as_table, resolve_table
 from .matching import (
@@ -57,9 +58,7 @@ from .matching import (
     _output_saved_by_neighbour,
     _recognise,
     _saves_only_output,
-    _Slot,
     _slots,
-    _unique_places,
     canonical_name,
 )
 from .nn import FewBit, FewBitModule, from_torch
@@ -249,7 +248,7 @@ def _check_tables(tables: Mapping[str, TableLike] | None) -> dict[str, tuple[str
     return result
 
 
-def _check_table_names(model: torch.nn.Module, tables: Mapping[str, tuple[str, Table]], slots: list[_Slot]) -> None:
+def _check_table_names(model: torch.nn.Module, tables: Mapping[str, tuple[str, Table]], slots: list[Slot]) -> None:
     """Every name in ``tables`` must be a module of the model (compiled or not): a table that matches nothing would
     be dropped without a word and the module would get the shipped table."""
     known = {canonical_name(name) for slot in slots for name in slot.names}
@@ -367,7 +366,36 @@ def _convert(
         return model, result
     slots = _slots(model, root=True)
     _check_table_names(model, tables, slots)
-    plans: list[tuple[_Slot, Any, _Candidate | None]] = []  # (slot, decision, candidate)
+    plans = _plans(slots, filter, tables, result)
+    unsupported = [item for item in result.skipped if item.unsupported]
+    if strict and unsupported:
+        item = unsupported[0]
+        raise FewBitError(
+            f"convert(strict=True): module {item.names[0]!r} ({item.original}) has no few-bit version: {item.reason}"
+        )
+    if only_if_smaller:
+        plans = _drop_costly(model, plans, example_inputs, bits, result)
+    # build every replacement first (any error leaves the model untouched), then swap
+    built = [(slot, *_built(slot, decision, candidate, bits, weight, mode)) for slot, decision, candidate in plans]
+    converted = swap(model, slots, {id(slot.module): replacement for slot, replacement, _ in built})
+    for slot, replacement, activation in built:
+        original = _class_path(type(slot.module))
+        result.replaced.append(Replaced(slot.names, original, type(replacement).__name__, activation, replacement.bits))
+    if example_inputs is not None and result.measured is not None:
+        try:
+            with no_side_effects(converted), example_errors():
+                result.measured["converted"] = forward_bytes(converted, example_inputs)
+        except BaseException:
+            swap(converted, _slots(converted, root=True), {id(r): slot.module for slot, r, _ in built})
+            raise
+    return converted, result
+
+
+def _plans(
+    slots: list[Slot], filter: Filter, tables: Mapping[str, tuple[str, Table]], result: ConversionReport
+) -> list[tuple[Slot, Any, _Candidate | None]]:
+    """``(slot, decision, candidate)`` of every activation module to replace; the ones left go to the report."""
+    plans: list[tuple[Slot, Any, _Candidate | None]] = []
     for slot in slots:
         module = slot.module
         if isinstance(module, FewBitModule):
@@ -389,52 +417,18 @@ def _convert(
                 result.skipped.append(Skipped(slot.names, _class_path(type(module)), recognised, unsupported=True))
                 continue
         plans.append((slot, decision, recognised if isinstance(recognised, _Candidate) else None))
+    return plans
 
-    unsupported = [item for item in result.skipped if item.unsupported]
-    if strict and unsupported:
-        item = unsupported[0]
-        raise FewBitError(
-            f"convert(strict=True): module {item.names[0]!r} ({item.original}) has no few-bit version: {item.reason}"
-        )
 
-    if only_if_smaller:
-        plans = _drop_costly(model, plans, example_inputs, bits, result)
-
-    # build every replacement first (any error leaves the model untouched), then swap
-    built = []
-    for slot, decision, candidate in plans:
-        module = slot.module
-        replacement, activation = _build(
-            slot.names[0], module, decision, candidate, bits=bits, weight=weight, mode=mode
-        )
-        replacement.train(module.training)
-        device = _device_of(module) or (_device_of(slot.places[0][0]) if slot.places else None)
-        if device is not None:
-            replacement.to(device)
-        built.append((slot, replacement, activation))
-
-    converted = model
-    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
-    try:
-        for slot, replacement, activation in built:
-            if slot.root:
-                converted = replacement
-            for parent, attribute in _unique_places(slot):
-                swapped.append((parent, attribute, slot.module))
-                setattr(parent, attribute, replacement)
-            result.replaced.append(
-                Replaced(
-                    slot.names, _class_path(type(slot.module)), type(replacement).__name__, activation, replacement.bits
-                )
-            )
-        if example_inputs is not None and result.measured is not None:
-            with no_side_effects(converted), example_errors():
-                result.measured["converted"] = forward_bytes(converted, example_inputs)
-    except BaseException:
-        for parent, attribute, original in reversed(swapped):
-            setattr(parent, attribute, original)
-        raise
-    return converted, result
+def _built(slot: Slot, decision: Any, candidate: _Candidate | None, bits: int, weight: str, mode: str):
+    """(replacement, activation description) for one slot, in training mode and on the device of the original."""
+    module = slot.module
+    replacement, activation = _build(slot.names[0], module, decision, candidate, bits=bits, weight=weight, mode=mode)
+    replacement.train(module.training)
+    device = _device_of(module) or (_device_of(slot.places[0][0]) if slot.places else None)
+    if device is not None:
+        replacement.to(device)
+    return replacement, activation
 
 
 def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):

@@ -9,7 +9,7 @@ and why some activations are left alone, is described in :mod:`.convert`.
 from __future__ import annotations
 
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ import torch
 from ...design import activations
 from ...errors import FewBitError
 from .. import memory
+from ..modules import Slot, slots
 from .nn import FewBitModule, _entry_for
 
 __all__ = ["ECOSYSTEM", "canonical_name"]
@@ -148,7 +149,7 @@ _SAVE_INPUT = (
 _CONVOLUTIONAL = (torch.nn.modules.conv._ConvNd, torch.nn.modules.batchnorm._NormBase)
 
 
-def _output_saved_by_neighbour(slot: _Slot) -> bool:
+def _output_saved_by_neighbour(slot: Slot) -> bool:
     """The common cases where an activation's output is saved by the next layer: the activation sits in a
     convolutional block (its parent holds convolutions or batch norms at any depth: ResNet blocks, torchvision and
     Hugging Face alike, where the next convolution, norm or pooling takes the output), or the next module of its
@@ -171,59 +172,20 @@ def canonical_name(name: str) -> str:
     return ".".join(part for part in name.split(".") if part != "_orig_mod")
 
 
-@dataclass
-class _Slot:
-    """One module object of the model with every (parent, attribute, qualified name) it sits at (the model itself:
-    no place, name '')."""
-
-    module: torch.nn.Module
-    places: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
-    root: bool = False
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        if self.root:
-            return ("",)
-        return tuple(dict.fromkeys(name for _, _, name in self.places))
-
-
 def owns_activation(module: torch.nn.Module) -> bool:
     """Whether ``module`` computes its activation itself (class attribute ``owns_activation``, as the gated-MLP op's
     module has): an activation module among its children is not called, and few-bit conversion leaves it alone."""
     return bool(getattr(type(module), "owns_activation", False))
 
 
-def _slots(model: torch.nn.Module, *, root: bool = False) -> list[_Slot]:
-    """Every submodule object once (in ``named_modules`` order) with all the places it occupies: each attribute
-    that holds it and each qualified name it has (a module used twice in one parent, or inside a module that is
-    itself shared, has several); not below few-bit modules nor below modules that :func:`owns_activation`. With
-    ``root``, a model that has no children (an activation module given alone) is its own slot."""
-    if root and not model._modules:
-        return [_Slot(model, root=True)]
-    found: dict[int, _Slot] = {}
-    ancestors: set[int] = set()
-
-    def walk(parent: torch.nn.Module, prefix: str) -> None:
-        ancestors.add(id(parent))
-        for child_name, child in parent._modules.items():  # not named_children(): it de-duplicates
-            if child is None:
-                continue
-            name = f"{prefix}.{child_name}" if prefix else child_name
-            slot = found.setdefault(id(child), _Slot(child))
-            slot.places.append((parent, child_name, name))
-            # not below a module that computes its activation itself (the gated-MLP op): its activation child is
-            # never called, so replacing it would change nothing and the report would claim it
-            if not isinstance(child, FewBitModule) and not owns_activation(child) and id(child) not in ancestors:
-                walk(child, name)
-        ancestors.discard(id(parent))
-
-    walk(model, "")
-    return list(found.values())
+def _slots(model: torch.nn.Module, *, root: bool = False) -> list[Slot]:
+    """Every submodule object once (in ``named_modules`` order) with all the places it occupies (:func:`..modules.
+    slots`); not below few-bit modules nor below modules that :func:`owns_activation`: such a module's activation
+    child is never called, so replacing it would change nothing and the report would claim it. With ``root``, a model
+    that has no children (an activation module given alone) is its own slot."""
+    return slots(model, descend=_descend, root=root and not model._modules)
 
 
-def _unique_places(slot: _Slot) -> list[tuple[torch.nn.Module, str]]:
-    """The (parent, attribute) pairs that hold the slot's module, each once (a shared parent is reached twice)."""
-    seen: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
-    for parent, attribute, _ in slot.places:
-        seen.setdefault((id(parent), attribute), (parent, attribute))
-    return list(seen.values())
+def _descend(module: torch.nn.Module) -> bool:
+    return not isinstance(module, FewBitModule) and not owns_activation(module)
+

@@ -199,7 +199,7 @@ _unwrap_if_dead = torch._C._functorch.unwrap_if_dead
 
 
 class _FewBitFunction(torch.autograd.Function):
-    # Non-finite inputs (issue 16.1): codes have no spare value, so NaN and +-inf elements are kept in a sparse
+    # Non-finite inputs: codes have no spare value, so NaN and +-inf elements are kept in a sparse
     # record beside the packed codes (nonfinite_record: positions + values, None when all finite, i.e. zero extra
     # bytes in the common case); backward puts NaN at NaN and torch's own gradient at +-inf (NaN for silu / gelu, 0
     # for tanh / sigmoid, ...), see _nonfinite_gradient. Under torch.compile (no data-dependent

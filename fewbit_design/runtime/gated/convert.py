@@ -46,6 +46,7 @@ from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
 from ..linear.quant import GROUP_SIZE, check_options
+from ..modules import slots, swap
 from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
 __all__ = ["convert", "GatedReport", "PROBE_TOLERANCE", "ACTIVATION_ATTRIBUTES"]
@@ -291,47 +292,21 @@ def convert(
     bits, _, rounding = check_options(bits, GROUP_SIZE, rounding)
     options = {"mode": check_choice("gated MLP mode", mode, MODES), "bits": bits, "rounding": rounding}
     report = GatedReport(mode=options["mode"], bits=options["bits"])
-    decided: dict[int, GatedMLP | str | None] = {}
-    names: dict[int, list[str]] = {}
-    originals: dict[int, torch.nn.Module] = {}
-
-    def decide(module: torch.nn.Module, name: str) -> GatedMLP | str | None:
-        key = id(module)
-        if key not in decided:
-            decided[key] = None if isinstance(module, GatedMLP) else _candidate(module, options)
-            originals[key] = module
-            if isinstance(module, GatedMLP):
-                report.already += 1
-        names.setdefault(key, []).append(name)
-        return decided[key]
-
-    def visit(parent: torch.nn.Module, prefix: str) -> None:
-        for attribute, child in list(parent._modules.items()):
-            if child is None:
-                continue
-            name = f"{prefix}{attribute}"
-            seen = id(child) in decided
-            found = decide(child, name)
-            if isinstance(found, GatedMLP):
-                setattr(parent, attribute, found)
-            elif not seen and not isinstance(child, GatedMLP):
-                visit(child, f"{name}.")
-
+    found = slots(model, descend=lambda module: not isinstance(module, GatedMLP))
+    replacements: dict[int, torch.nn.Module] = {}
     with torch.inference_mode(False):
-        root = decide(model, "")
-        if isinstance(root, GatedMLP):
-            converted = root
-        else:
-            converted = model
-            if not isinstance(model, GatedMLP):
-                visit(model, "")
-    for key, found in decided.items():
-        if isinstance(found, GatedMLP):
-            report.replaced.append(
-                Replaced(tuple(names[key]), found.original, found.activation, found.layout.up is None)
-            )
-        elif isinstance(found, str):
-            report.skipped.append(Skipped(tuple(names[key]), _class_path(type(originals[key])), found))
+        for slot in found:
+            if isinstance(slot.module, GatedMLP):
+                report.already += 1
+                continue
+            candidate = _candidate(slot.module, options)
+            if isinstance(candidate, GatedMLP):
+                replacements[id(slot.module)] = candidate
+                fused = candidate.layout.up is None
+                report.replaced.append(Replaced(slot.names, candidate.original, candidate.activation, fused))
+            elif isinstance(candidate, str):
+                report.skipped.append(Skipped(slot.names, _class_path(type(slot.module)), candidate))
+    converted = swap(model, found, replacements)
     converted.gated_report = report
     if not report.replaced and not report.already:
         why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in report.skipped})) or (

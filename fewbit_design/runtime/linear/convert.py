@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FewBitError
+from ..modules import slots, swap
 from .nn import CompressedConv1D, CompressedLinear, compress_module
 from .quant import GROUP_SIZE, check_options
 
@@ -96,30 +97,22 @@ def convert(
     if filter is not None and not callable(filter):
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
     report = LinearReport(bits, group_size, rounding)
-    conv1d = _conv1d_class()
-    decided: dict[int, torch.nn.Module | None] = {}  # id -> its replacement, None when left as it is
-
-    def decide(name: str, module: torch.nn.Module) -> torch.nn.Module | None:
-        if id(module) in decided:  # a module at several places: one decision, one shared replacement
-            return decided[id(module)]
-        kind, replacement = type(module), None
-        target = {torch.nn.Linear: CompressedLinear, conv1d: CompressedConv1D}.get(kind)
+    targets = {torch.nn.Linear: CompressedLinear, _conv1d_class(): CompressedConv1D}
+    found = slots(model)
+    replacements: dict[int, torch.nn.Module] = {}
+    for slot in found:
+        module, name = slot.module, slot.names[0]
+        kind = type(module)
+        target = targets.get(kind)
         if isinstance(module, CompressedLinear | CompressedConv1D):
             report.already += 1
         elif target is None and isinstance(module, torch.nn.Linear):
             report.skipped.append((name, kind.__name__, "a subclass of nn.Linear: its forward may differ"))
         elif target is not None and (filter is None or filter(name, module)):
-            replacement = compress_module(module, target, bits=bits, group_size=group_size, rounding=rounding)
+            replacements[id(module)] = compress_module(
+                module, target, bits=bits, group_size=group_size, rounding=rounding
+            )
             report.replaced.append((name, kind.__name__))
-        decided[id(module)] = replacement
-        return replacement
-
-    root = decide("", model) or model
-    for parent_name, parent in list(root.named_modules(remove_duplicate=False)):
-        for attribute, child in list(parent._modules.items()):
-            if child is not None:
-                replacement = decide(f"{parent_name}.{attribute}" if parent_name else attribute, child)
-                if replacement is not None:
-                    parent._modules[attribute] = replacement
+    root = swap(model, found, replacements)
     root.linear_report = report
     return root

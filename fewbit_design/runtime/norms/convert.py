@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FewBitError, check_bits, check_positive
+from ..modules import slots, swap
 from .nn import MemorySharingNorm
 from .ops import DEFAULT_THRESHOLD
 
@@ -238,39 +239,21 @@ def convert(
     if bits is not None:
         bits = check_bits(bits, low=2, high=8)
     report = NormsReport()
-    decided: dict[int, tuple[MemorySharingNorm | None, str]] = {}
-
-    def decide(module: torch.nn.Module) -> MemorySharingNorm | None:
-        if id(module) not in decided:
-            if isinstance(module, MemorySharingNorm):
-                decided[id(module)] = (None, "")
-            else:
-                decided[id(module)] = _replacement(module, threshold)
-                if decided[id(module)][0] is not None and bits is not None:
-                    decided[id(module)][0].bits = bits
-                    decided[id(module)] = (decided[id(module)][0], f"{decided[id(module)][1]}, {bits}-bit output codes")
-        return decided[id(module)][0]
-
-    def record(name: str, module: torch.nn.Module) -> None:
-        replacement, what = decided[id(module)]
+    found = slots(model)
+    replacements: dict[int, torch.nn.Module] = {}
+    for slot in found:
+        module = slot.module
+        replacement, what = (None, "") if isinstance(module, MemorySharingNorm) else _replacement(module, threshold)
         if replacement is not None:
-            report.replaced[name] = what
-        elif what and _norm_like(module):
-            report.left[name] = what
-
-    swaps = []
-    for parent_name, parent in model.named_modules(remove_duplicate=False):
-        for child_name, child in parent.named_children():
-            name = f"{parent_name}.{child_name}" if parent_name else child_name
-            if decide(child) is not None or _norm_like(child):
-                record(name, child)
-            if decided[id(child)][0] is not None:
-                swaps.append((parent, child_name, decided[id(child)][0]))
-    for parent, child_name, replacement in swaps:
-        setattr(parent, child_name, replacement)
-    result = model
-    if decide(model) is not None or _norm_like(model):
-        record("", model)
-        result = decided[id(model)][0] or model
+            if bits is not None:
+                replacement.bits = bits
+                what = f"{what}, {bits}-bit output codes"
+            replacements[id(module)] = replacement
+        for name in slot.names:
+            if replacement is not None:
+                report.replaced[name] = what
+            elif what and _norm_like(module):
+                report.left[name] = what
+    result = swap(model, found, replacements)
     result.norms_report = report
     return result

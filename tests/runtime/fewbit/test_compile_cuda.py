@@ -1,4 +1,4 @@
-"""``torch.compile`` of converted GPT-2 and LLaMA on a GPU (issue 23.2; split from test_cuda_models.py).
+"""``torch.compile`` of converted GPT-2 and LLaMA on a GPU.
 
 Every test here is marked ``cuda`` (skipped without a GPU; scripts/gpu_suite.sh runs them). Oracle: the same model
 run eagerly.

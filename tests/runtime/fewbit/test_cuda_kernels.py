@@ -1,4 +1,4 @@
-"""The few-bit op on a GPU (issue 23.2): the compiled Triton kernels against the pure-torch reference kernels, codes
+"""The few-bit op on a GPU: the compiled Triton kernels against the pure-torch reference kernels, codes
 and gradients bitwise; the autograd function on CUDA; CUDA graph capture of a forward and backward.
 
 Every test here is marked ``cuda``: skipped without a GPU, run by ``TRITON_INTERPRET=0 pytest -m cuda`` (as

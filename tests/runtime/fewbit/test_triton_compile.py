@@ -190,7 +190,7 @@ def test_the_ptx_reader_attributes_widths_and_loops():
     ]
 
 
-def test_the_traffic_model_gives_the_issue_ratios():
+def test_the_traffic_model_gives_the_design_ratios():
     # one pass, 3 bits: (4s + b/4) / 5s = 0.84x native in float32, 0.88x in bfloat16
     for dtype, ratio in (("float32", 0.8375), ("bfloat16", 0.875)):
         one_pass = traffic.op_traffic("one_pass", dtype, 3).total

@@ -1,0 +1,100 @@
+"""Walking a model's modules and swapping some for replacements: the one walk every module-replacing technique uses.
+
+Terms. A *slot* is one module object of the model with every place it sits at: each (parent, attribute) that holds
+it and the qualified name it has there (a module used twice, or inside a module that is itself shared, has several
+places; the model itself is a slot with no place). :func:`slots` lists every module object once, in
+``named_modules`` order; :func:`swap` puts replacements at every place of the slots they replace, all or nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Slot", "slots", "swap"]
+
+
+@dataclass
+class Slot:
+    """One module object of the model with every (parent, attribute, qualified name) it sits at (the model itself:
+    no place, ``root`` True, name '')."""
+
+    module: torch.nn.Module
+    places: list[tuple[torch.nn.Module, str, str]] = field(default_factory=list)
+    root: bool = False
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """Every qualified name of the module (``("",)`` for the model itself)."""
+        if self.root:
+            return ("",)
+        return tuple(dict.fromkeys(name for _, _, name in self.places))
+
+    def unique_places(self) -> list[tuple[torch.nn.Module, str]]:
+        """The (parent, attribute) pairs that hold the module, each once (a shared parent is reached twice)."""
+        seen: dict[tuple[int, str], tuple[torch.nn.Module, str]] = {}
+        for parent, attribute, _ in self.places:
+            seen.setdefault((id(parent), attribute), (parent, attribute))
+        return list(seen.values())
+
+
+def slots(
+    model: torch.nn.Module, *, descend: Callable[[torch.nn.Module], bool] | None = None, root: bool = True
+) -> list[Slot]:
+    """Every module object of ``model`` once, with all its places, in ``named_modules`` order (the model first when
+    ``root``).
+
+    Args:
+        model: the model
+        descend: ``descend(module)``, whether to walk into a module's children (default: every module's)
+        root: list the model itself as the first slot
+    """
+    found: dict[int, Slot] = {}
+    if root:
+        found[id(model)] = Slot(model, root=True)
+    ancestors: set[int] = set()
+
+    def walk(parent: torch.nn.Module, prefix: str) -> None:
+        ancestors.add(id(parent))
+        for attribute, child in parent._modules.items():  # not named_children(): it de-duplicates
+            if child is None:
+                continue
+            name = f"{prefix}.{attribute}" if prefix else attribute
+            slot = found.setdefault(id(child), Slot(child))
+            slot.places.append((parent, attribute, name))
+            if id(child) not in ancestors and (descend is None or descend(child)):
+                walk(child, name)
+        ancestors.discard(id(parent))
+
+    walk(model, "")
+    return list(found.values())
+
+
+def swap(model: torch.nn.Module, found: list[Slot], replacements: Mapping[int, torch.nn.Module]) -> torch.nn.Module:
+    """Put ``replacements[id(slot.module)]`` at every place of each slot of ``found`` that has one; return the model,
+    or the replacement of the model itself (its root slot). All or nothing: an error puts back what was swapped.
+
+    Args:
+        model: the model the slots were listed from
+        found: its slots (:func:`slots`)
+        replacements: ``id(module) -> replacement``
+    """
+    swapped: list[tuple[torch.nn.Module, str, torch.nn.Module]] = []
+    result = model
+    try:
+        for slot in found:
+            replacement = replacements.get(id(slot.module))
+            if replacement is None:
+                continue
+            if slot.root:
+                result = replacement
+            for parent, attribute in slot.unique_places():
+                swapped.append((parent, attribute, slot.module))
+                parent._modules[attribute] = replacement
+    except BaseException:
+        for parent, attribute, original in reversed(swapped):
+            parent._modules[attribute] = original
+        raise
+    return result
