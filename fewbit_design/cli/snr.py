@@ -281,7 +281,21 @@ def _measure_network(arch: str, slope: float, depth: int, *, channels, batch, si
     return records, {id(r): float(p) for r, p in zip(top, predicted, strict=True)}, top[0]
 
 
+#: the paper the reconstruction figures and equations are from (figures and equation numbers in the panel titles)
+PAPER = "Reversible designs for extreme memory cost reduction of CNN training (2023)"
+#: below 0 dB the reconstruction is noise; far below, numbers mean nothing (drawn at the floor)
+FLOOR_DB = -20.0
+RHOS = (0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0)
+
+
 def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed):
+    """The measurement of ``snr --reconstruction``: its CSV rows and its figure."""
+    rows, measured = _measure_reconstruction(slopes, depths, archs, channels, batch, size, dtype, seed)
+    return rows, _reconstruction_figure(slopes, depths, archs, dtype, measured)
+
+
+def _measure_reconstruction(slopes, depths, archs, channels, batch, size, dtype, seed):
+    """(CSV rows, what the figure draws): the closed forms against noise injection in float64, then networks."""
     torch = _import_torch()
     from ..runtime import reversible
 
@@ -292,28 +306,24 @@ def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed
         entry.update(panel=panel, **values)
         rows.append(entry)
 
-    # (a) leaky ReLU, (b) toy batch norm: closed form vs noise injection in float64.
+    # leaky ReLU and a toy batch norm: closed form vs noise injection in float64
     generator = torch.Generator().manual_seed(seed)
     z = torch.randn(64, 2, 16, 16, generator=generator, dtype=torch.float64)
     slope_measured = {}
     for n in slopes:
         slope_measured[n] = reversible.inverse_snr_factor(reversible.InvertibleLeakyReLU(n), z, noise=1e-6, seed=seed)
         row("alpha_slope", slope=n, measured=slope_measured[n], theory=theory.leaky_relu_alpha(n))
-    rhos = [0.125, 0.25, 0.5, 1.0, 2.0, 4.0, 8.0]
     rho_measured = {}
-    for rho in rhos:
+    for rho in RHOS:
         bn = reversible.InvertibleBatchNorm2d(2, gamma_floor=0.0).double()
         with torch.no_grad():
             bn.weight.copy_(torch.tensor([1.0, rho], dtype=torch.float64))
         rho_measured[rho] = reversible.inverse_snr_factor(bn, z, noise=1e-6, seed=seed)
         row("alpha_bn_toy", rho=rho, measured=rho_measured[rho], theory=theory.batchnorm_alpha_toy(rho))
-
-    # (c), (d): networks.
     options = dict(
         channels=channels, batch=batch, size=size, dtype=dtype, seed=seed, torch=torch, reversible=reversible
     )
-    profiles = {}
-    bottom = {}
+    profiles, bottom = {}, {}
     with click.progressbar(length=len(archs) * len(slopes) * len(depths), label="measuring", file=sys.stderr) as bar:
         for arch in archs:
             for n in slopes:
@@ -328,45 +338,72 @@ def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed
                             row("per_layer", arch=arch, slope=n, depth=d, index=index, layer=r.name, kind=r.kind,
                                 measured=r.snr_db, theory="" if p is None else p)  # fmt: skip
                     bar.update(1)
+    return rows, {"slope": slope_measured, "rho": rho_measured, "bottom": bottom, "profiles": profiles}
 
+
+def _reconstruction_figure(slopes, depths, archs, dtype, measured):
+    """The figure of ``snr --reconstruction``: panels (a) to (e), in reading order, citing :data:`PAPER`."""
     plt = _pyplot()
     from matplotlib.gridspec import GridSpec
-    from matplotlib.ticker import NullFormatter
 
     figure = plt.figure(figsize=(16, 9.5))
     grid = GridSpec(2, 6, figure=figure)
     colors = {n: f"C{i}" for i, n in enumerate(slopes)}
-    markers = {"layerwise": "o-", "hybrid": "s:"}
-    floor_db = -20.0  # below 0 dB the reconstruction is noise; far below, numbers mean nothing
+    _alpha_panels(figure, grid, slopes, measured)
+    _depth_panel(figure.add_subplot(grid[0, 4:6]), slopes, depths, archs, colors, measured["bottom"])
+    for column, arch in enumerate(archs):
+        span = slice(0, 3) if len(archs) > 1 and column == 0 else slice(3, 6) if len(archs) > 1 else slice(0, 6)
+        letter = "de"[column]
+        _profile_panel(figure.add_subplot(grid[1, span]), letter, arch, slopes, depths, colors, measured["profiles"])
+    for ax in figure.axes:
+        ax.grid(True, alpha=0.3)
+    for ax in figure.axes[2:]:
+        ax.axhline(0, color="grey", linewidth=0.6)
+        ax.set_ylim(bottom=FLOOR_DB - 5)
+    figure.suptitle(
+        f"Reversible designs ({dtype}): SNR of activations reconstructed by inverses, theory vs measurement "
+        f"(values below {FLOOR_DB:g} dB drawn at {FLOOR_DB:g}); figures and equations of {PAPER}"
+    )
+    figure.tight_layout()
+    return figure
+
+
+def _alpha_panels(figure, grid, slopes, measured) -> None:
+    """(a) the leaky ReLU inverse's SNR loss, (b) the toy batch norm's: closed form against noise injection."""
+    from matplotlib.ticker import NullFormatter
 
     ax = figure.add_subplot(grid[0, 0:2])
     xs = np.geomspace(0.05, 1.0, 200)
     ax.plot(xs, theory.alpha_db(theory.leaky_relu_alpha(xs)), "k-", label="theory (1+n²)²/(4n²)")
-    ax.plot(slopes, [theory.alpha_db(slope_measured[n]) for n in slopes], "ro", label="measured (noise injection)")
+    ax.plot(slopes, [theory.alpha_db(measured["slope"][n]) for n in slopes], "ro", label="measured (noise injection)")
     ax.set_xscale("log")
     ax.set_xlabel("leaky ReLU negative slope n")
     ax.set_ylabel("SNR lost by the inverse, 10 log10 α (dB)")
-    ax.set_title("(a) Leaky ReLU inverse (fig. 6)")
+    ax.set_title("(a) Leaky ReLU inverse (paper's fig. 6)")
     ax.legend()
-
     ax = figure.add_subplot(grid[0, 2:4])
-    xs = np.geomspace(rhos[0], rhos[-1], 200)
+    xs = np.geomspace(RHOS[0], RHOS[-1], 200)
     ax.plot(xs, theory.alpha_db(theory.batchnorm_alpha_toy(xs)), "k-", label="theory (1+ρ²)(1+ρ⁻²)/4")
-    ax.plot(rhos, [theory.alpha_db(rho_measured[r]) for r in rhos], "ro", label="measured (noise injection)")
+    ax.plot(RHOS, [theory.alpha_db(measured["rho"][r]) for r in RHOS], "ro", label="measured (noise injection)")
     ax.set_xscale("log")
-    ax.set_xticks(rhos)
-    ax.set_xticklabels([f"{r:g}" for r in rhos])
+    ax.set_xticks(RHOS)
+    ax.set_xticklabels([f"{r:g}" for r in RHOS])
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("scale imbalance ρ (γ = [1, ρ])")
     ax.set_ylabel("SNR lost by the inverse, 10 log10 α (dB)")
-    ax.set_title("(b) Batch-norm inverse, toy layer (fig. 5)")
+    ax.set_title("(b) Batch-norm inverse, toy layer (paper's fig. 5)")
     ax.legend()
 
-    ax = figure.add_subplot(grid[0, 4:6])
+
+def _depth_panel(ax, slopes, depths, archs, colors, bottom) -> None:
+    """(c) the SNR of the reconstructed network input against depth, measured and by the paper's eq. 19."""
+    from matplotlib.ticker import NullFormatter
+
+    markers = {"layerwise": "o-", "hybrid": "s:"}
     for arch in archs:
         for n in slopes:
-            measured = [max(bottom[arch, n, d][0], floor_db) for d in depths]
-            predicted = [max(bottom[arch, n, d][1], floor_db) for d in depths]
+            measured = [max(bottom[arch, n, d][0], FLOOR_DB) for d in depths]
+            predicted = [max(bottom[arch, n, d][1], FLOOR_DB) for d in depths]
             ax.plot(depths, measured, markers[arch], color=colors[n], label=f"{arch}, n={n:g}")
             ax.plot(depths, predicted, "--", color=colors[n], alpha=0.45, linewidth=1)
     ax.set_xscale("log", base=2)
@@ -375,40 +412,29 @@ def _reconstruction(slopes, depths, archs, *, channels, batch, size, dtype, seed
     ax.xaxis.set_minor_formatter(NullFormatter())
     ax.set_xlabel("depth (units for layerwise, blocks of 4 units for hybrid)")
     ax.set_ylabel("SNR of the reconstructed network input (dB)")
-    ax.plot([], [], "k--", alpha=0.45, linewidth=1, label="eq. 19 (theory)")
-    ax.set_title("(d) Input reconstruction vs depth (fig. 11)")
+    ax.plot([], [], "k--", alpha=0.45, linewidth=1, label="paper's eq. 19 (theory)")
+    ax.set_title("(c) Input reconstruction vs depth (paper's fig. 11)")
     ax.legend(fontsize="small")
 
-    for column, arch in enumerate(archs):
-        span = slice(0, 3) if len(archs) > 1 and column == 0 else slice(3, 6) if len(archs) > 1 else slice(0, 6)
-        ax = figure.add_subplot(grid[1, span])
-        for n in slopes:
-            profile = profiles.get((arch, n), [])
-            ax.plot(
-                range(len(profile)),
-                [max(r.snr_db, floor_db) for r, _ in profile],
-                "-",
-                color=colors[n],
-                linewidth=1,
-                label=f"n={n:g} measured",
-            )
-            known = [(i, max(p, floor_db)) for i, (_, p) in enumerate(profile) if p is not None]
-            if known:
-                ax.plot(*zip(*known, strict=True), "--", color=colors[n], alpha=0.5, label=f"n={n:g} eq. 19")
-        ax.set_xlabel(
-            "layer, forward order" + (" (couplings, then the layers of their f and g)" if arch == "hybrid" else "")
+
+def _profile_panel(ax, letter, arch, slopes, depths, colors, profiles) -> None:
+    """(d), (e): the per-layer reconstruction SNR of the deepest network of ``arch``."""
+    for n in slopes:
+        profile = profiles.get((arch, n), [])
+        ax.plot(
+            range(len(profile)),
+            [max(r.snr_db, FLOOR_DB) for r, _ in profile],
+            "-",
+            color=colors[n],
+            linewidth=1,
+            label=f"n={n:g} measured",
         )
-        ax.set_ylabel("SNR of the reconstructed input (dB)")
-        ax.set_title(f"(c) {arch}, depth {max(depths)}: per-layer reconstruction (fig. 10)")
-        ax.legend(fontsize="small", ncol=2)
-    for ax in figure.axes:
-        ax.grid(True, alpha=0.3)
-    for ax in figure.axes[2:]:
-        ax.axhline(0, color="grey", linewidth=0.6)
-        ax.set_ylim(bottom=floor_db - 5)
-    figure.suptitle(
-        f"Reversible designs ({dtype}): SNR of activations reconstructed by inverses, theory vs measurement "
-        f"(values below {floor_db:g} dB drawn at {floor_db:g})"
+        known = [(i, max(p, FLOOR_DB)) for i, (_, p) in enumerate(profile) if p is not None]
+        if known:
+            ax.plot(*zip(*known, strict=True), "--", color=colors[n], alpha=0.5, label=f"n={n:g} eq. 19")
+    ax.set_xlabel(
+        "layer, forward order" + (" (couplings, then the layers of their f and g)" if arch == "hybrid" else "")
     )
-    figure.tight_layout()
-    return rows, figure
+    ax.set_ylabel("SNR of the reconstructed input (dB)")
+    ax.set_title(f"({letter}) {arch}, depth {max(depths)}: per-layer reconstruction (paper's fig. 10)")
+    ax.legend(fontsize="small", ncol=2)

@@ -47,7 +47,7 @@ from __future__ import annotations
 import sys
 import weakref
 from collections import defaultdict, deque
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
@@ -153,6 +153,15 @@ class SavedBytes:
 
     def _number(self, tensor: torch.Tensor) -> int | None:
         return self._storages.number(_storage_or_none(tensor))
+
+    def _attribute(self, by_module: Mapping[str, int]) -> None:
+        """Fill :attr:`by_module` and :attr:`exclusive_by_module` at the end of the block."""
+        self.by_module = dict(by_module)
+        exclusive: defaultdict[str, int] = defaultdict(int)
+        for number, savers in self._savers.items():
+            if len(savers) == 1:
+                exclusive[next(iter(savers))] += self._seen[number]
+        self.exclusive_by_module = dict(exclusive)
 
     def contains(self, tensor: torch.Tensor) -> bool:
         """Whether the storage behind ``tensor`` was counted as saved for backward."""
@@ -277,12 +286,7 @@ def _saved_bytes(model: torch.nn.Module | None) -> Iterator[SavedBytes]:
             yield result
     finally:
         if model is not None:
-            result.by_module = dict(by_module)
-            exclusive: defaultdict[str, int] = defaultdict(int)
-            for number, savers in result._savers.items():
-                if len(savers) == 1:
-                    exclusive[next(iter(savers))] += result._seen[number]
-            result.exclusive_by_module = dict(exclusive)
+            result._attribute(by_module)
 
 
 @dataclass

@@ -129,7 +129,7 @@ def hf_attention_forward(
         is_causal: the caller's causal flag (None: the module's)
         kwargs: the other keywords transformers passes
     """
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward, use_gqa_in_sdpa
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     options = getattr(module, OPTIONS, None)
     exact = options is not None and options[0] == "exact"
@@ -153,33 +153,18 @@ def hf_attention_forward(
     caller = is_causal  # the caller's causal flag, as given
     if uncovered:
         return native()
-    kv_repeat, enable_gqa = 1, False
-    groups = getattr(module, "num_key_value_groups", 1)
-    if groups > 1:
-        if use_gqa_in_sdpa(attention_mask, key, value):
-            enable_gqa = True
-        else:
-            kv_repeat = groups
+    kv_repeat, enable_gqa = _grouping(module, attention_mask, key, value)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     if exact:
+        grouping = dict(kv_repeat=kv_repeat, enable_gqa=enable_gqa)
         output = value_recompute_attention(
-            query,
-            key,
-            value,
-            attention_mask,
-            recipe,
-            projection,
-            scale=scaling,
-            is_causal=is_causal,
-            kv_repeat=kv_repeat,
-            enable_gqa=enable_gqa,
+            query, key, value, attention_mask, recipe, projection, scale=scaling, is_causal=is_causal, **grouping
         )
         if output is None:  # not a case the op covers (its docstring): native SDPA, which keeps v
             return native()
         return output.transpose(1, 2).contiguous(), None
     bits, group_size = options
-    output_codes = _output_codes(module, bits)
     output = compressed_attention(
         query,
         key,
@@ -191,10 +176,23 @@ def hf_attention_forward(
         enable_gqa=enable_gqa,
         bits=bits,
         group_size=group_size,
-        output_codes=output_codes,
+        output_codes=_output_codes(module, bits),
     )
     output = output.reshape(output.shape[0], -1, q_length, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None
+
+
+def _grouping(module: torch.nn.Module, mask: Any, key: torch.Tensor, value: torch.Tensor) -> tuple[int, bool]:
+    """``(kv_repeat, enable_gqa)``: how transformers' ``sdpa`` function would repeat k and v for the module's query
+    heads per key/value head (SDPA's ``enable_gqa`` where it can, else ``repeat_kv``)."""
+    from transformers.integrations.sdpa_attention import use_gqa_in_sdpa
+
+    groups = getattr(module, "num_key_value_groups", 1)
+    if groups <= 1:
+        return 1, False
+    if use_gqa_in_sdpa(mask, key, value):
+        return 1, True
+    return groups, False
 
 
 def _output_codes(module: torch.nn.Module, bits: int) -> tuple[int, int, str] | None:

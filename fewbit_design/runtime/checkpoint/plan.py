@@ -397,15 +397,21 @@ def _dynamic_program(profile: Profile, budget: int, max_length: int | None, term
                 parents.extend((a, p, k, b, True) for k in range(count))
                 extra = terms.times[b] - terms.times[a]
                 push((b, 0), kept[:count] + out[a], times[:count] + extra, np.arange(first, first + count))
+    for p in (0, 1):
+        if (n, p) in candidates:
+            fronts[(n, p)], front_ids[(n, p)] = _pareto(candidates.pop((n, p)))
+    return _fastest_path(n, fronts, front_ids, parents)
+
+
+def _fastest_path(n, fronts, front_ids, parents) -> tuple[Segment, ...] | None:
+    """The fastest schedule ending at block ``n`` of :func:`_dynamic_program`'s fronts, followed back through
+    ``parents``; None when no path reaches the end within the budget."""
     ends = []
     for p in (0, 1):
-        node = (n, p)
-        if node in candidates:
-            fronts[node], front_ids[node] = _pareto(candidates.pop(node))
-        if node in fronts:
-            kept, times = fronts[node]
+        if (n, p) in fronts:
+            kept, times = fronts[(n, p)]
             k = int(np.argmin(times))
-            ends.append((times[k], kept[k], int(front_ids[node][k])))
+            ends.append((times[k], kept[k], int(front_ids[(n, p)][k])))
     if not ends:
         return None
     _, _, parent = min(ends)
