@@ -248,8 +248,8 @@ def _value_projection(module: torch.nn.Module) -> str | None:
 
 def convert(
     model: torch.nn.Module,
-    bits: int = 8,
     *,
+    bits: int = 8,
     mode: str = "compressed",
     group_size: int = GROUP_SIZE,
     filter: Callable[[str, torch.nn.Module], bool] | None = None,

@@ -74,8 +74,8 @@ def _conv1d_class() -> type | None:
 
 def convert(
     model: torch.nn.Module,
-    bits: int = 8,
     *,
+    bits: int = 8,
     group_size: int = GROUP_SIZE,
     rounding: str = "stochastic",
     filter: Callable[[str, torch.nn.Module], bool] | None = None,
