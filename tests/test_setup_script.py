@@ -233,6 +233,55 @@ def test_setup_script_runs_the_decision_then_installs_the_test_extra(tmp_path: P
     assert _calls(log) == [["install", "--quiet", "torch==2.13.0"], ["install", "--quiet", "-e", ".[test]"]]
 
 
+@pytest.mark.parametrize(
+    "argument, installs",
+    [
+        ([], [["install", "--quiet", "torch==2.13.0"], ["install", "--quiet", "-e", ".[models]"]]),
+        (["design"], [["install", "--quiet", "-e", "."]]),
+    ],
+    ids=["default", "design"],
+)
+def test_setup_script_installs_the_runtime_by_default_and_the_design_toolkit_alone_on_request(
+    tmp_path: Path, no_torch: Path, argument: list[str], installs: list[list[str]]
+) -> None:
+    """The README's set-up command (no argument) installs torch for the machine and the ``models`` extra, so that
+    its Python example (transformers, runtime.convert) runs right after; ``design`` installs the toolkit alone."""
+    pip, log = _fake_pip(tmp_path, fail_when="never")
+    python = _executable(
+        tmp_path / "python",
+        f'#!/bin/sh\nif [ "$1" = "-m" ] && [ "$2" = "pip" ]; then shift 2; exec {pip} "$@"; fi\n'
+        f'exec {shlex.quote(sys.executable)} "$@"\n',
+    )
+    environment = _environment(
+        f"{_bin(tmp_path, 1)}:/usr/bin:/bin",
+        pythonpath=no_torch,
+        PYTHON=str(python),
+        FEWBIT_PIP=pip,
+        FEWBIT_TORCH_CPU_INDEX=UNREACHABLE_INDEX,
+    )
+    result = subprocess.run(
+        ["bash", str(ROOT / "scripts" / "setup.sh"), *argument],
+        env=environment,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert result.returncode == 0, result.stderr
+    assert _calls(log) == installs
+
+
+def test_the_models_extra_brings_torch() -> None:
+    """``pip install "fewbit-design[models]"`` from a wheel gets torch too (setup.cfg's extra)."""
+    import configparser
+
+    config = configparser.ConfigParser()
+    config.read(ROOT / "setup.cfg")
+    models = [line.strip() for line in config["options.extras_require"]["models"].splitlines()]
+    assert any(line.startswith("torch") for line in models)
+    assert any(line.startswith("transformers") for line in models)
+
+
 def test_default_indexes_follow_the_pip_environment(monkeypatch: pytest.MonkeyPatch) -> None:
     spec = importlib.util.spec_from_file_location("torch_install", HELPER)
     assert spec is not None and spec.loader is not None
