@@ -28,6 +28,8 @@ WHERE_RUN = {
     ),
     "fewbit-design tables verify": (".ci/run", "\nfewbit-design tables verify\n"),
     "mkdocs build --strict": ("tests/test_docs.py", '"mkdocs", "build", "--strict"'),
+    "bash scripts/setup.sh design": ("tests/test_setup_script.py", '(["design"], [["install", "--quiet", "-e", "."]])'),
+    'pip install "fewbit-design[models]"': ("tests/test_setup_script.py", "def test_the_models_extra_brings_torch"),
 }
 
 
