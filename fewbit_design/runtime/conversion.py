@@ -41,7 +41,15 @@ from ..errors import FewBitError, check_boolean, check_integer, close_matches
 from . import registry
 from .probe import caches_disabled, example_errors, huggingface_probe, step_bytes
 
-__all__ = ["convert", "keywords", "argument_names", "ConvertReport", "TechniqueReport", "FunctionalCall"]
+__all__ = [
+    "convert",
+    "check_arguments",
+    "keywords",
+    "argument_names",
+    "ConvertReport",
+    "TechniqueReport",
+    "FunctionalCall",
+]
 
 logger = logging.getLogger("fewbit_design.runtime.convert")
 
@@ -304,10 +312,7 @@ def convert(
     if report is not False:
         attributes = ", ".join(f"model.{role.report_attribute}" for _, role in _roles())
         raise FewBitError(REPORT_MESSAGE.format(report=report, attributes=attributes))
-    if compress is not None:
-        compress = check_integer("compress (bits of compressed linear inputs, or None)", compress, low=2, high=8)
-    switches, given = _route(options)
-    entries = _entries(switches, given, compress)
+    compress, entries = _checked(compress, options)
     for entry in entries:
         if entry.running is not None and entry.running.in_convert.check is not None:
             entry.running.in_convert.check(model, entry.options)
@@ -320,6 +325,24 @@ def convert(
     previous = model.__dict__.get("convert_report")
     converted.convert_report = result.merge_earlier(previous) if isinstance(previous, ConvertReport) else result
     return converted
+
+
+def check_arguments(*, compress: int | None = None, **options: Any) -> None:
+    """Check :func:`convert`'s arguments without a model (every technique's options made and checked): one
+    :class:`FewBitError` names a bad one. The Trainer callback checks its ``convert=`` so when it is made.
+
+    Args:
+        compress: as :func:`convert` takes it
+        options: the techniques' keywords, as :func:`convert` takes them
+    """
+    _checked(compress, options)
+
+
+def _checked(compress: Any, options: Mapping[str, Any]) -> tuple[int | None, list[_Entry]]:
+    if compress is not None:
+        compress = check_integer("compress (bits of compressed linear inputs, or None)", compress, low=2, high=8)
+    switches, given = _route(options)
+    return compress, _entries(switches, given, compress)
 
 
 def _already_converted(model: torch.nn.Module) -> bool:

@@ -4,14 +4,19 @@ and record what was done in ``model.config`` (see :mod:`.config_record`). This m
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
-from collections.abc import Mapping
+import sys
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
-from ...errors import FewBitError
+from ...errors import FewBitError, check_boolean
+from ..planner.report import format_bytes
+from ..planner.techniques import plan_keywords
 from .config_record import ATTRIBUTE, _config_of, convert_options, plan_options, record
 
 __all__ = ["FewBitCallback"]
@@ -40,21 +45,42 @@ class FewBitCallback(TrainerCallback):
         plan: keyword arguments of :func:`fewbit_design.runtime.plan_memory` (e.g. ``{"budget": 0.5}``), or None to
             not plan. The example is the first batch of the train dataloader (the training batch size); the plan
             is made after the conversion, applied, and recorded as saved.
+        strict: what a ``plan`` budget that no plan meets does: False (default) plans at the smallest feasible peak
+            with one warning that names both figures, and training goes on; True raises :class:`FewBitError`.
 
-    Both are checked when the callback is made (an unknown argument, a value that cannot be recorded). At train
-    start the report (conversion summary, memory plan table) is logged (logger ``fewbit_design.runtime.hf``, INFO),
-    its figures are appended to ``state.log_history`` as one entry of ``fewbit/...`` keys, and the text is kept in
-    :attr:`report`. The Trainer builds its optimizer before train start, so a conversion must keep the model's
-    parameters (few-bit, checkpointing and offloading do); one that replaces a parameter raises
-    :class:`FewBitError`. A model without ``model.config`` to record in (not a Hugging Face model), or ``plan``
-    without a train dataloader, raises :class:`FewBitError` at train start before the model changes. A model whose
-    config already holds a record and that has it applied (after :func:`~.config_record.restore`) is left as it is.
+    Both are checked when the callback is made: an unknown argument, a value that cannot be recorded, and every
+    value the conversion and the planner check without a model (``bits=0``, a bad budget). At train start one
+    concise summary (what was converted, the plan, the predicted peak) is printed once by the main process; the
+    whole report (conversion, memory plan table) is logged (logger ``fewbit_design.runtime.hf``, INFO, once: the
+    converters' own INFO lines are held back meanwhile), its figures are appended to ``state.log_history`` as one
+    entry of ``fewbit/...`` keys, and the text is kept in :attr:`report`. The Trainer builds its optimizer before
+    train start, so a conversion must keep the model's parameters (few-bit, checkpointing and offloading do); one
+    that replaces a parameter raises :class:`FewBitError`. A model without ``model.config`` to record in (not a
+    Hugging Face model), or ``plan`` without a train dataloader, raises :class:`FewBitError` at train start before
+    the model changes. A model whose config already holds a record and that has it applied (after
+    :func:`~.config_record.restore`) is left as it is.
     """
 
-    def __init__(self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None) -> None:
+    def __init__(
+        self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None, *, strict: bool = False
+    ) -> None:
+        from ..conversion import check_arguments
+        from ..planner.plan import check_plan_arguments
+
         self.convert = convert_options(convert, "FewBitCallback(convert=...)")
         self.plan = plan_options(plan, "FewBitCallback(plan=...)")
+        self.strict = check_boolean("FewBitCallback strict", strict)
         self.report: str | None = None
+        self.summary: str | None = None
+        if self.convert is not None:
+            _checked("FewBitCallback(convert=...)", check_arguments, self.convert)
+        if self.plan is not None:
+            checkable = set(inspect.signature(check_plan_arguments).parameters) | set(plan_keywords())
+            _checked(
+                "FewBitCallback(plan=...)",
+                check_plan_arguments,
+                {key: value for key, value in self.plan.items() if key in checkable},
+            )
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         self._check_start(model, kwargs.get("train_dataloader"))
@@ -67,7 +93,8 @@ class FewBitCallback(TrainerCallback):
         if self.convert is not None:
             from ..conversion import convert
 
-            converted = convert(model, **self.convert)
+            with _quiet("fewbit_design.runtime.convert"):  # their INFO lines are in this report, logged once
+                converted = convert(model, **self.convert)
             if converted is not model:
                 raise FewBitError("FewBitCallback: convert returned another model; the Trainer keeps the one it has")
             report = model.convert_report
@@ -98,7 +125,10 @@ class FewBitCallback(TrainerCallback):
             )
         record(model, convert=self.convert, plan=plan)
         self.report = "\n".join(lines)
+        self.summary = _summary(model, plan)
         logger.info("FewBitCallback at train start:\n%s", self.report)
+        if getattr(state, "is_world_process_zero", True):
+            print(self.summary, file=sys.stderr)
         state.log_history.append({**figures, "step": state.global_step})
 
     def _check_start(self, model: Any, dataloader: Any) -> None:
@@ -119,10 +149,46 @@ class FewBitCallback(TrainerCallback):
         batch = _to_device(batch, device)
         was_training = model.training
         model.train()
+        options = {"infeasible": "raise" if self.strict else "smallest", **self.plan}
         try:
             if isinstance(batch, Mapping):
-                return plan_memory(model, example_kwargs=dict(batch), **self.plan)
+                return plan_memory(model, example_kwargs=dict(batch), **options)
             inputs = tuple(batch) if isinstance(batch, list | tuple) else (batch,)
-            return plan_memory(model, *inputs, **self.plan)
+            return plan_memory(model, *inputs, **options)
         finally:
             model.train(was_training)
+
+
+def _checked(where: str, check: Any, arguments: Mapping[str, Any]) -> None:
+    try:
+        check(**arguments)
+    except FewBitError as error:
+        raise FewBitError(f"{where}: {error}") from None
+
+
+@contextlib.contextmanager
+def _quiet(name: str) -> Iterator[None]:
+    """The logger ``name`` (and those below it) held at WARNING for the block."""
+    target = logging.getLogger(name)
+    level = target.level
+    target.setLevel(max(level, logging.WARNING))
+    try:
+        yield
+    finally:
+        target.setLevel(level)
+
+
+def _summary(model: torch.nn.Module, plan: Any) -> str:
+    """One or two lines: what was converted, the plan and its predicted peak."""
+    parts = []
+    report = getattr(model, "convert_report", None)
+    if report is not None:
+        approximate = ", ".join(report.approximate) or "none"
+        parts.append(f"converted: {', '.join(report.applied) or 'nothing'} (approximate: {approximate})")
+    if plan is not None:
+        used = ", ".join(sorted(plan.techniques_used())) or "nothing"
+        parts.append(
+            f"memory plan: {used}; predicted peak {format_bytes(plan.predicted_peak_bytes)} for a budget of "
+            f"{format_bytes(plan.budget_bytes)} (unconverted {format_bytes(plan.unconverted_peak_bytes)})"
+        )
+    return "FewBitCallback: " + "; ".join(parts or ["nothing to do"])

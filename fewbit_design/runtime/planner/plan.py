@@ -8,6 +8,7 @@ import logging
 import os
 import statistics
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -33,6 +34,8 @@ from .techniques import (
 
 __all__ = [
     "plan_memory",
+    "check_plan_arguments",
+    "INFEASIBLE",
     "MemoryPlan",
     "load_plan",
     "choose",
@@ -45,6 +48,8 @@ __all__ = [
 logger = logging.getLogger("fewbit_design.runtime.planner")
 
 FORMAT = "fewbit-memory-plan/1"
+#: what :func:`plan_memory` does when no plan meets the budget
+INFEASIBLE = ("raise", "smallest")
 #: a plan file holds a few KB per block (its profile) and a timeline of at most about 400 events
 MAX_PLAN_BYTES = 64 * 2**20
 
@@ -395,6 +400,7 @@ def choose(
     budget: Any,
     allow: Any,
     fingerprint: tuple[BlockFingerprint, ...] = (),
+    infeasible: str = "raise",
 ) -> MemoryPlan:
     """Optimise over a profile: the options of each block whose techniques are all in ``allow``. ``budget`` in the
     syntax of :func:`fewbit_design.errors.parse_budget`: a fraction is of the unconverted predicted peak, ``"min"``
@@ -421,11 +427,17 @@ def choose(
         settled = settle_ties(costs, _ranks(costs, settings))
         choices = optimise(_exact_first(settled, settings) if approximate == "if-needed" else settled, target, allowed)
     if choices is None:
-        raise FewBitError(
+        message = (
             f"no plan fits a budget of {format_bytes(target + baseline)} with {', '.join(allow) or 'no technique'}: "
             f"the smallest feasible peak is {format_bytes(smallest + baseline)} (unconverted: "
             f"{format_bytes(plain + baseline)})"
         )
+        if check_choice("infeasible", infeasible, INFEASIBLE) == "raise":
+            raise FewBitError(message)
+        warnings.warn(f"{message}; planned at the smallest feasible peak instead", stacklevel=3)
+        target = smallest
+        settled = settle_ties(costs, _ranks(costs, settings))
+        choices = optimise(_exact_first(settled, settings) if approximate == "if-needed" else settled, target, allowed)
     facts = {**facts, "minimum_budget_bytes": smallest + baseline}
     return MemoryPlan(
         chain=chain_name,
@@ -468,6 +480,41 @@ def _exact_first(costs: ChainCosts, settings: dict[str, Any]) -> ChainCosts:
     return replace(costs, blocks=blocks)
 
 
+def check_plan_arguments(
+    *,
+    budget: Any = None,
+    allow: Any = None,
+    objective: str = "time",
+    approximate: str = "if-needed",
+    repeats: int = 3,
+    infeasible: str = "raise",
+    technique_settings: dict[str, Any] | None = None,
+    **options: Any,
+) -> tuple[tuple[str, ...], dict[str, Any]]:
+    """Check :func:`plan_memory`'s arguments that do not need the model (the Trainer callback checks them when it is
+    made); return ``(allow, the techniques' plan settings)``. One :class:`FewBitError` names a bad one.
+
+    Args:
+        budget, allow, objective, approximate, repeats, infeasible, technique_settings, options: as
+            :func:`plan_memory` takes them
+    """
+    if allow is None:
+        allow = registry.names()
+    if isinstance(allow, str):
+        allow = (allow,)
+    if not isinstance(allow, tuple | list):
+        raise FewBitError(f"allow must be a tuple of technique names, got {allow!r}")
+    allow = tuple(check_choice("allowed technique", t, registry.names()) for t in allow)
+    check_choice("objective", objective, OBJECTIVES)
+    check_choice("approximate", approximate, APPROXIMATE_CHOICES)
+    check_choice("infeasible", infeasible, INFEASIBLE)
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
+    if budget is not None:
+        parse_budget(budget)  # a bad budget fails before the model is profiled
+    return allow, technique_plan_settings(technique_settings, options)
+
+
 def plan_memory(
     model: torch.nn.Module,
     *example_inputs: Any,
@@ -480,6 +527,7 @@ def plan_memory(
     repeats: int = 3,
     example_kwargs: dict[str, Any] | None = None,
     technique_settings: dict[str, Any] | None = None,
+    infeasible: str = "raise",
     **options: Any,
 ) -> MemoryPlan:
     """Profile ``model`` on example inputs once and choose per block of its chain the fastest combination of
@@ -511,6 +559,9 @@ def plan_memory(
             measured) tie: charged the same time and broken by a fixed rule (fewer techniques, then exact first),
             so that timing noise does not flip the plan (:func:`.model.settle_ties`).
         example_kwargs: keyword inputs of the step.
+        infeasible: what a budget no plan meets gives: ``"raise"`` (default: one :class:`FewBitError` naming the
+            smallest feasible peak) or ``"smallest"`` (the plan at the smallest feasible peak, with one warning that
+            names both figures; the Trainer callback's default, so that training goes on).
         technique_settings: the registered techniques' options, by their plan-settings keys (each technique's
             :attr:`~fewbit_design.runtime.registry.Technique.settings`: ``{"linear_bits": 4}``); unset ones keep
             their defaults.
@@ -557,15 +608,16 @@ def plan_memory(
         "plan and apply on the model before compiling it (plan_memory(model, ...).apply(model), then "
         "torch.compile(model)); the compiled wrapper's ._orig_mod is that model",
     )
-    if allow is None:
-        allow = registry.names()
-    if isinstance(allow, str):
-        allow = (allow,)
-    allow = tuple(check_choice("allowed technique", t, registry.names()) for t in allow)
-    check_choice("objective", objective, OBJECTIVES)
-    check_choice("approximate", approximate, APPROXIMATE_CHOICES)
-    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
-        raise FewBitError(f"repeats must be a positive integer, got {repeats!r}")
+    allow, settings = check_plan_arguments(
+        budget=budget,
+        allow=allow,
+        objective=objective,
+        approximate=approximate,
+        repeats=repeats,
+        infeasible=infeasible,
+        technique_settings=technique_settings,
+        **options,
+    )
     if not model.training:
         raise FewBitError("plan_memory plans a training step: call model.train() first")
     if any(parameter.is_inference() for parameter in model.parameters()):
@@ -573,14 +625,11 @@ def plan_memory(
             "the model's parameters were made under torch.inference_mode(), so autograd cannot train them: build "
             "(or load) the model outside it"
         )
-    if budget is not None:
-        parse_budget(budget)  # a bad budget fails before the model is profiled
     if not example_inputs and not example_kwargs:
         raise FewBitError(
             "plan_memory needs example inputs of one training step, with the training batch size: "
             "plan_memory(model, x, ...) or example_kwargs={...}"
         )
-    settings = technique_plan_settings(technique_settings, options)
     from .profile import outside_inference, profile_model, training_grad_mode
 
     with training_grad_mode():  # a training step, whatever the caller's mode (torch.no_grad, inference_mode)
@@ -608,4 +657,5 @@ def plan_memory(
         budget=budget,
         allow=allow,
         fingerprint=fingerprint(list(container)),
+        infeasible=infeasible,
     )
