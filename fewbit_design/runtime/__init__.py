@@ -6,9 +6,10 @@ Where things are (one folder per technique, each with its module API, functional
 * :mod:`.fewbit`: few-bit activations (``nn``, ``functional``, ``convert``, the table ``lookup``, the op and its
   kernels); :mod:`.nn`, :mod:`.functional` and :mod:`.tables` (the lookup's) are the documented paths of its public
   names; :func:`~.fewbit.convert.convert` is the few-bit-only converter.
-* :mod:`.conversion`: ``runtime.convert``, the one converter: memory-sharing norms, the gated-MLP op and few-bit
-  activations by default, compressed linear inputs with ``compress=``, each measured on a probe and undone where it
-  does not reduce memory; its report is ``model.convert_report``.
+* :mod:`.conversion`: ``runtime.convert``, the one converter over the registry's techniques (memory-sharing norms,
+  the gated-MLP op, the exact attention core and few-bit activations by default, K-bit forms with ``compress=``),
+  each measured on a probe and undone where it does not reduce memory; its report is ``model.convert_report``;
+  ``runtime.unconvert`` undoes every conversion and plan.
 * :mod:`.norms`: memory-sharing LayerNorm / RMSNorm (keep their output and row statistics, invert in backward).
 * :mod:`.linear`: linear layers (``nn.Linear``, Hugging Face ``Conv1D``) that keep K-bit group codes of their input
   for the weight gradient (exact forward and input gradient).
@@ -57,7 +58,7 @@ _LAZY = {
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
-        + ("hf", "conversion")
+        + ("hf", "conversion", "attention", "probe", "modules")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
@@ -66,6 +67,7 @@ _LAZY = {
     "lm_loss": ("head.ops", "lm_loss"),
     "load_table": ("fewbit.lookup", "load_table"),
     "convert": ("conversion", "convert"),
+    "unconvert": ("conversion", "unconvert"),
     "ConvertReport": ("conversion", "ConvertReport"),
     "calibrate": ("fewbit.calibrate", "calibrate"),
     "plan_memory": ("planner", "plan_memory"),

@@ -16,9 +16,9 @@ Without a probe, the rules each converter has (few-bit's ``only_if_smaller`` rul
 
 The report, ``model.convert_report`` (:class:`ConvertReport`), holds per technique what was replaced and left (the
 technique's own report, still set on the model by its converter: ``model.norms_report``, ...), the bytes measured
-and which gradients are approximate; and what a technique could not reach (activation functions called in forward
-code). A model converted again keeps one report: the last call's, holding the earlier calls' applied techniques
-(:attr:`ConvertReport.earlier`), so that ``applied`` and ``approximate`` describe the model as it is.
+and which gradients are approximate; and what a technique could not reach (activation and dropout functions called
+in forward code). A model converted again keeps one report: the last call's, holding the earlier calls' applied
+techniques (:attr:`ConvertReport.earlier`), so that ``applied`` and ``approximate`` describe the model as it is.
 
 >>> import torch
 >>> from fewbit_design import runtime
@@ -39,10 +39,13 @@ import torch
 
 from ..errors import FewBitError, check_boolean, check_integer, close_matches
 from . import registry
+from .modules import ORIGINAL, remember, restore, snapshot
 from .probe import caches_disabled, example_errors, huggingface_probe, step_bytes
+from .record import append_convert, forget
 
 __all__ = [
     "convert",
+    "unconvert",
     "check_arguments",
     "keywords",
     "argument_names",
@@ -113,7 +116,7 @@ class FunctionalCall:
 class ConvertReport:
     """What :func:`convert` did: ``techniques`` in the order applied, the ``probe`` (what was run to measure, or
     why nothing was), ``before`` / ``after`` (bytes saved for backward by one training step, when measured) and
-    ``unseen`` (activation functions called functionally, which no module replacement can reach).
+    ``unseen`` (activation and dropout functions called functionally, which no module replacement can reach).
 
     A model converted more than once keeps one report: that of the last call, which also holds ``earlier`` (the
     entries of the techniques applied by the earlier calls, oldest first, still in the model) and ``calls`` (how
@@ -178,7 +181,7 @@ class ConvertReport:
             )
         lines += [str(item) for item in self.techniques]
         if self.unseen:
-            lines.append("could not see (activation functions called in forward code, not modules; left exact):")
+            lines.append("could not see (functions called in forward code, not modules; left native):")
             for call in self.unseen:
                 lines.append(f"  {call.module or '(model)'} ({call.module_class}): {call.function} x {call.calls}")
         if self.earlier:
@@ -316,8 +319,12 @@ def convert(
     for entry in entries:
         if entry.running is not None and entry.running.in_convert.check is not None:
             entry.running.in_convert.check(model, entry.options)
+    remember(model)
     with torch.inference_mode(False), caches_disabled(model):
         converted, result, warned = _convert(model, entries, example_inputs)
+    if converted is not model:
+        converted.__dict__[ORIGINAL] = model.__dict__[ORIGINAL]
+    _record(converted, {"compress": compress, **options} if compress is not None else dict(options))
     logger.info("convert %s: %s", type(model).__name__, result)
     if not any(item.status == "applied" for item in result.techniques) and not _already_converted(converted):
         why = "; ".join(warned) or f"convert: nothing replaced in {type(model).__name__}"
@@ -345,6 +352,39 @@ def _checked(compress: Any, options: Mapping[str, Any]) -> tuple[int | None, lis
     return compress, _entries(switches, given, compress)
 
 
+def _record(model: torch.nn.Module, options: dict[str, Any]) -> None:
+    """Record this call in a Hugging Face model's config (``model.config.fewbit``), so that ``save_pretrained`` keeps
+    it and ``runtime.hf.restore`` replays it; options that JSON cannot hold (a ``filter`` callable) leave the record
+    as it was, and ``restore`` then says so."""
+    append_convert(model, options)
+
+
+def unconvert(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo every :func:`convert` and ``MemoryPlan.apply`` on ``model``: the native modules back at their places (the
+    same objects, with the same parameters), checkpoint wrappers and offload hooks removed, the key/value cache
+    setting and the config's record as they were; return the model (the original root when a conversion replaced
+    it). Gradients are then native. A model never converted is returned as it is. Like Hugging Face's
+    ``gradient_checkpointing_disable()``.
+
+    Args:
+        model: a model :func:`convert` or a memory plan changed
+    """
+    plan = model.__dict__.get("fewbit_memory_plan")
+    if plan is not None:
+        plan.remove(model)
+    original = model.__dict__.pop(ORIGINAL, None)
+    if original is None:
+        return model
+    root, taken = original
+    restore(taken)
+    attributes = {"convert_report", *(role.report_attribute for _, role in _roles())}
+    for item in (root, model):
+        for key in attributes | {ORIGINAL}:
+            item.__dict__.pop(key, None)
+    forget(root)
+    return root
+
+
 def _already_converted(model: torch.nn.Module) -> bool:
     return any(type(m).__module__.startswith("fewbit_design.runtime.") for m in model.modules())
 
@@ -366,24 +406,13 @@ def _probe(model: torch.nn.Module, example_inputs: Any, result: ConvertReport) -
         return None, None
 
 
-def _snapshot(model: torch.nn.Module) -> list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]:
-    """Every module's children as they are: the converters change a model only by replacing children."""
-    return [(module, dict(module._modules)) for module in model.modules()]
-
-
-def _restore(snapshot: list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]) -> None:
-    for module, children in snapshot:
-        module._modules.clear()
-        module._modules.update(children)
-
-
 def _convert(
     model: torch.nn.Module, entries: list[_Entry], example_inputs: Any
 ) -> tuple[torch.nn.Module, ConvertReport, list[str]]:
     result = ConvertReport()
     probe, before = _probe(model, example_inputs, result)
     result.before = before
-    original = _snapshot(model)
+    original = snapshot(model)
     current = model
     warned: list[str] = []
     try:
@@ -402,7 +431,7 @@ def _convert(
                     with example_errors():
                         result.unseen += [FunctionalCall(*row) for row in unseen(current, probe, entry.options)]
     except BaseException:
-        _restore(original)
+        restore(original)
         raise
     return current, result, warned
 
@@ -413,7 +442,7 @@ def _apply(
     """Apply one entry's technique, measure it on the probe and undo it when it saves nothing; returns (the model,
     the bytes now saved, the technique's warnings)."""
     technique, role = entry.running, entry.running.in_convert
-    snapshot = _snapshot(model)
+    taken = snapshot(model)
     previous = model.__dict__.get(role.report_attribute)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
@@ -437,7 +466,7 @@ def _apply(
         f"measured on the probe: one training step saves {after} bytes for backward with it, {before} without: "
         "it does not reduce memory"
     )
-    _restore(snapshot)
+    restore(taken)
     if previous is None:
         model.__dict__.pop(role.report_attribute, None)
     else:

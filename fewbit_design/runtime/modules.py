@@ -4,6 +4,10 @@ Terms. A *slot* is one module object of the model with every place it sits at: e
 it and the qualified name it has there (a module used twice, or inside a module that is itself shared, has several
 places; the model itself is a slot with no place). :func:`slots` lists every module object once, in
 ``named_modules`` order; :func:`swap` puts replacements at every place of the slots they replace, all or nothing.
+
+A *snapshot* is every module's children as they are (:func:`snapshot`, :func:`restore`): the converters change a
+model only by replacing children, so a snapshot taken before undoes them. :func:`remember` keeps the first one on the
+model itself, for ``runtime.unconvert``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Slot", "slots", "swap"]
+__all__ = ["Slot", "slots", "swap", "snapshot", "restore", "remember", "ORIGINAL"]
+
+#: the attribute of a converted model holding (its original root, the snapshot taken before its first conversion)
+ORIGINAL = "_fewbit_original"
 
 
 @dataclass
@@ -98,3 +105,37 @@ def swap(model: torch.nn.Module, found: list[Slot], replacements: Mapping[int, t
             parent._modules[attribute] = original
         raise
     return result
+
+
+Snapshot = list[tuple[torch.nn.Module, dict[str, torch.nn.Module | None]]]
+
+
+def snapshot(model: torch.nn.Module) -> Snapshot:
+    """Every module's children as they are now.
+
+    Args:
+        model: the model
+    """
+    return [(module, dict(module._modules)) for module in model.modules()]
+
+
+def restore(taken: Snapshot) -> None:
+    """Put every module's children back as :func:`snapshot` found them.
+
+    Args:
+        taken: the snapshot
+    """
+    for module, children in taken:
+        module._modules.clear()
+        module._modules.update(children)
+
+
+def remember(model: torch.nn.Module) -> None:
+    """Keep on ``model`` (attribute :data:`ORIGINAL`, not a submodule) the snapshot of its modules before its first
+    conversion, and the model itself as its original root; later conversions keep the first.
+
+    Args:
+        model: the model about to be converted
+    """
+    if ORIGINAL not in model.__dict__:
+        model.__dict__[ORIGINAL] = (model, snapshot(model))

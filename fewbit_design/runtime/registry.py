@@ -53,6 +53,7 @@ REGISTRY: tuple[str, ...] = (
     "fewbit_design.runtime.attention.exact_technique",
     "fewbit_design.runtime.head.technique",
     "fewbit_design.runtime.blpa.technique",
+    "fewbit_design.runtime.dropout.technique",
     "fewbit_design.runtime.fewbit.technique",
     "fewbit_design.runtime.linear.technique",
     "fewbit_design.runtime.offload.technique",
@@ -249,6 +250,11 @@ class Technique:
         with warnings.catch_warnings():  # "nothing replaced": the planner then does not offer the technique there
             warnings.simplefilter("ignore", UserWarning)
             return self.convert(holder, options, None)[0]
+
+    def unwrap(self, block: torch.nn.Module) -> None:
+        """Undo a ``wrapper``-seam ``apply`` on ``block``: the wrapper is the block's own ``forward`` attribute."""
+        if self.seam == "wrapper":
+            block.__dict__.pop("forward", None)
 
     def changes_block(self, block: torch.nn.Module, options: Any) -> bool:
         """Whether applying this technique changes ``block`` (see ``changes``); ``block`` itself is not changed."""

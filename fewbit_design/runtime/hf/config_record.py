@@ -5,11 +5,14 @@ any other config attribute, and ``from_pretrained`` reads it back):
 
 ```json
 {"format": "fewbit-hf/1", "version": "0.1.0",
- "convert": {"bits": 3} or null,
+ "convert": {"bits": 3} or [{"bits": 3}, {"compress": 8}] or null,
  "plan": {... the memory plan as MemoryPlan.to_dict() writes it ...} or null}
 ```
 
-``convert`` holds the keyword arguments of :func:`fewbit_design.runtime.convert` as given (replayed as they are,
+``runtime.convert`` and ``MemoryPlan.apply`` write it themselves on a model with a config (a model converted by hand
+and saved with ``save_pretrained`` reloads converted after :func:`restore`); :func:`record` writes it explicitly.
+``convert`` holds the keyword arguments of each :func:`fewbit_design.runtime.convert` call (a list for several
+calls, replayed in order) as given (replayed as they are,
 whatever keywords ``convert`` takes: they are checked against its signature when recorded and when restored); only
 JSON values can be recorded, so ``filter`` (classes, callables) and ``example_inputs`` (tensors) cannot, and a
 ``tables`` value that is a :class:`~fewbit_design.table.Table` is recorded as its JSON form. ``plan`` is the plan as
@@ -29,7 +32,6 @@ from __future__ import annotations
 
 import inspect
 import json
-import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
@@ -38,12 +40,22 @@ import torch
 
 from ..._version import __version__
 from ...errors import FewBitError, check_keys, close_matches, show
+from ..modules import ORIGINAL
+from ..record import ATTRIBUTE, FORMAT, append_convert, forget, json_form, record_plan
 
-__all__ = ["FORMAT", "ATTRIBUTE", "record", "read_record", "restore", "convert_options", "plan_options"]
+__all__ = [
+    "FORMAT",
+    "ATTRIBUTE",
+    "record",
+    "read_record",
+    "restore",
+    "convert_options",
+    "plan_options",
+    "append_convert",
+    "record_plan",
+    "forget",
+]
 
-FORMAT = "fewbit-hf/1"
-#: the attribute of ``model.config`` that holds the record
-ATTRIBUTE = "fewbit"
 RECORD_FIELDS = ("format", "version", "convert", "plan")
 #: convert's keywords that cannot be replayed from a JSON record (or that make no sense there)
 NOT_RECORDED = {"filter": "it holds classes or a callable", "example_inputs": "it holds tensors", "report": ""}
@@ -76,34 +88,6 @@ def _check_known(where: str, options: Mapping[str, Any], known: list[str], funct
             raise FewBitError(f"{where}: {function} has no argument {key!r}{hint}; it takes {', '.join(known)}")
 
 
-def _json_form(where: str, value: Any) -> Any:
-    """``value`` as JSON data (Tables as their JSON form, paths as strings, tuples as lists), or a FewBitError
-    naming the first part that is not JSON."""
-    from ...table import Table
-
-    if isinstance(value, Table):
-        return value.to_dict()
-    if isinstance(value, os.PathLike):
-        return os.fspath(value)
-    if value is None or isinstance(value, bool | int | str):
-        return value
-    if isinstance(value, float):
-        if value != value or value in (float("inf"), float("-inf")):
-            raise FewBitError(f"{where} is {value!r}: a record in model.config must be finite JSON")
-        return value
-    if isinstance(value, list | tuple):
-        return [_json_form(f"{where}[{index}]", item) for index, item in enumerate(value)]
-    if isinstance(value, Mapping):
-        result = {}
-        for key, item in value.items():
-            if not isinstance(key, str):
-                raise FewBitError(f"{where} has the key {show(key)}: a record in model.config needs string keys")
-            result[key] = _json_form(f"{where}[{key!r}]", item)
-        return result
-    kind = type(value).__name__
-    raise FewBitError(f"{where} is {show(value)} ({kind}): a record in model.config holds JSON values only")
-
-
 def convert_options(options: Any, where: str = "convert") -> dict[str, Any] | None:
     """The keyword arguments of :func:`fewbit_design.runtime.convert` as the record holds them (checked against its
     signature, JSON only), or None."""
@@ -122,7 +106,7 @@ def convert_options(options: Any, where: str = "convert") -> dict[str, Any] | No
                 f"arguments are {', '.join(known)} (per-module tables by name: tables={{name: path or Table}})"
             )
     _check_known(where, options, known, "runtime.convert")
-    return _json_form(where, dict(options))
+    return json_form(where, dict(options))
 
 
 def plan_options(options: Any, where: str = "plan") -> dict[str, Any] | None:
@@ -169,7 +153,7 @@ def record(model: torch.nn.Module, *, convert: Mapping[str, Any] | None = None, 
     is not JSON, or when ``plan`` is not a valid plan.
     """
     config = _config_of(model, "record")
-    options = convert_options(convert, "record(convert=...)")
+    options = _checked_convert(convert, "record(convert=...)")
     saved_plan = None
     if plan is not None:
         from ..planner.plan import MemoryPlan
@@ -202,7 +186,7 @@ def read_record(model: torch.nn.Module) -> dict[str, Any] | None:
             f"({FORMAT!r}): install the fewbit-design that saved the model, or convert it again"
         )
     check_keys(where, data, RECORD_FIELDS)
-    options = convert_options(data["convert"], f"{where}.convert")
+    options = _checked_convert(data["convert"], f"{where}.convert")
     plan = None
     if data["plan"] is not None:
         from ..planner.plan import MemoryPlan
@@ -221,6 +205,8 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
     :func:`record`. Raises :class:`FewBitError` for a record of another format or naming something unknown, and
     when the plan does not fit the model (another architecture) or was applied to it already.
     """
+    if _converted(model):
+        return model  # the record is applied already (restore twice, or a model converted in this process)
     data = read_record(model)
     if data is None:
         if not getattr(model, "_fewbit_missing_record_warned", False):
@@ -229,10 +215,25 @@ def restore(model: torch.nn.Module) -> torch.nn.Module:
         return model
     if data["plan"] is not None:
         data["plan"].check_model(model)  # the architecture, before convert changes anything
-    if data["convert"] is not None:
-        from ..conversion import convert
+    from ..conversion import convert
 
-        model = convert(model, **data["convert"])
+    calls = data["convert"]
+    for call in [calls] if isinstance(calls, dict) else calls or []:
+        model = convert(model, **call)
     if data["plan"] is not None:
         model = data["plan"].apply(model)
     return model
+
+
+def _converted(model: torch.nn.Module) -> bool:
+    return ORIGINAL in model.__dict__ or model.__dict__.get("fewbit_memory_plan") is not None
+
+
+def _checked_convert(convert: Any, where: str) -> dict[str, Any] | list[dict[str, Any]] | None:
+    """The convert part of a record, checked: None, one call's keyword arguments (a dict), or several (a list)."""
+    if not isinstance(convert, list | tuple):
+        return convert_options(convert, where)
+    return [convert_options(call, f"{where}[{index}]") for index, call in enumerate(convert)]
+
+
+

@@ -18,7 +18,9 @@ import torch
 from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
 from .. import memory, registry
 from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
+from ..modules import remember
 from ..planfile import PlanFile
+from ..record import record_plan
 from . import report as reporting
 from .model import ChainCosts, OptionCost, minimum_budget, optimise, replay, settle_ties
 from .report import format_bytes, retained
@@ -29,6 +31,7 @@ from .techniques import (
     check_choices,
     is_exact,
     parse_option,
+    remove_wrappers,
     technique_plan_settings,
 )
 
@@ -219,6 +222,7 @@ class MemoryPlan(PlanFile):
 
         container, keys, blocks = self.check_model(model)
         check_choices(keys, blocks, self.choices, self.settings)  # before any change
+        remember(model)  # for runtime.unconvert
         for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
             blocks[index] = apply_option(container, key, choice, self.settings)
         handles = apply_regions(model, blocks, self.choices, self.settings)
@@ -235,7 +239,33 @@ class MemoryPlan(PlanFile):
                 ", ".join(f"{type(model.get_submodule(n)).__name__} ({n or 'the model'})" for n, _ in caches),
             )
         model.fewbit_memory_plan = self
+        record_plan(model, self)
         return model
+
+    def remove(self, model: torch.nn.Module) -> None:
+        """Undo :meth:`apply`'s wrappers and regions on ``model`` (checkpoint wrappers, offload hooks), put its
+        key/value cache setting back, and forget the plan; the modules the plan replaced stay (``runtime.unconvert``
+        puts those back too).
+
+        Args:
+            model: the model this plan was applied to
+        """
+        if model.__dict__.get("fewbit_memory_plan") is not self:
+            raise FewBitError("plan.remove: this plan is not the one applied to the model")
+        container = model.get_submodule(self.chain) if self.chain else model
+        for block in container.children():
+            remove_wrappers(block)
+        for technique in registry.techniques():
+            handle = model.__dict__.pop(f"fewbit_{technique.name}", None)
+            if handle is not None and hasattr(handle, "remove"):
+                handle.remove()
+        from .profile import cache_configs
+
+        previous = model.__dict__.pop("fewbit_use_cache", {})
+        for name, config in cache_configs(model):
+            if name in previous:
+                config.use_cache = previous[name]
+        del model.fewbit_memory_plan
 
     def check_model(self, model: torch.nn.Module) -> tuple[torch.nn.Module, list[str], list[torch.nn.Module]]:
         """The checks of :meth:`apply` that need no technique (the plan itself, the model's architecture against

@@ -31,6 +31,7 @@ __all__ = [
     "check_technique_settings",
     "technique_plan_settings",
     "plan_keywords",
+    "remove_wrappers",
     "option_region",
     "charge",
     "candidate_options",
@@ -147,6 +148,13 @@ def apply_option(container: torch.nn.Module, key: str, option: str, settings: Ma
             raise FewBitError(f"block {key!r}: {error}") from None
     container._modules[key] = block
     return block
+
+
+def remove_wrappers(block: torch.nn.Module) -> None:
+    """Undo every ``wrapper``-seam technique on ``block`` (:meth:`~..registry.Technique.unwrap`)."""
+    for technique in registry.techniques():
+        if technique.seam == "wrapper":
+            technique.unwrap(block)
 
 
 def apply_regions(

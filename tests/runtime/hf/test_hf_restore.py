@@ -1,5 +1,5 @@
-"""The record of a conversion in a Hugging Face model's config (runtime.hf.record) and restore() after
-from_pretrained: a saved converted model used to reload unconverted, silently."""
+"""The record of a conversion in a Hugging Face model's config (written by runtime.convert and plan.apply, or
+runtime.hf.record) and restore() after from_pretrained; runtime.unconvert back to native modules."""
 
 from __future__ import annotations
 
@@ -57,9 +57,8 @@ def test_save_pretrained_from_pretrained_restore_gives_the_converted_model(tmp_p
     assert not all(torch.equal(native[name], gradients[name]) for name in gradients)
 
 
-def test_a_model_converted_by_hand_and_saved_without_the_record_warns_once_at_restore(tmp_path):
-    model = runtime.convert(tiny_gpt2(transformers), bits=2)
-    model.save_pretrained(tmp_path)
+def test_a_model_saved_unconverted_warns_once_at_restore(tmp_path):
+    tiny_gpt2(transformers).save_pretrained(tmp_path)
     loaded = transformers.GPT2LMHeadModel.from_pretrained(tmp_path)
     with pytest.warns(UserWarning, match=r"no 'fewbit' record.*fewbit_design\.runtime\.hf\.record\(model"):
         assert hf.restore(loaded) is loaded
@@ -67,6 +66,51 @@ def test_a_model_converted_by_hand_and_saved_without_the_record_warns_once_at_re
         warnings.simplefilter("error")
         hf.restore(loaded)  # once per model
     assert _few_bit_count(loaded) == 0
+
+
+def test_a_model_converted_and_planned_by_hand_is_recorded_and_reloads_converted(tmp_path):
+    """convert and plan.apply record themselves in the config (no record() call): save_pretrained, then
+    from_pretrained and restore give the same modules, loss and gradients; restore twice changes nothing."""
+    batch = tokens()
+    model, plan = _converted(batch)
+    model.save_pretrained(tmp_path)
+    record = json.loads((tmp_path / "config.json").read_text())["fewbit"]
+    assert record["convert"] == {"bits": 2} and record["plan"]["choices"] == list(plan.choices)
+    restored = hf.restore(transformers.GPT2LMHeadModel.from_pretrained(tmp_path))
+    assert structure(restored) == structure(model)
+    assert hf.restore(restored) is restored and structure(restored) == structure(model)  # idempotent
+    loss, gradients = loss_and_gradients(model, batch)
+    restored_loss, restored_gradients = loss_and_gradients(restored, batch)
+    assert torch.equal(restored_loss, loss)
+    assert all(torch.equal(restored_gradients[name], gradients[name]) for name in gradients)
+
+
+def test_two_convert_calls_are_both_recorded_and_replayed(tmp_path):
+    model = runtime.convert(tiny_gpt2(transformers), activations=False)
+    model = runtime.convert(model, bits=2, norms=False)
+    assert model.config.fewbit["convert"] == [{"activations": False}, {"bits": 2, "norms": False}]
+    model.save_pretrained(tmp_path)
+    restored = hf.restore(transformers.GPT2LMHeadModel.from_pretrained(tmp_path))
+    assert structure(restored) == structure(model)
+
+
+def test_unconvert_gives_the_native_modules_and_native_gradients():
+    batch = tokens()
+    native = tiny_gpt2(transformers)
+    native_structure = structure(native)
+    native_loss, native_gradients = loss_and_gradients(native, batch)
+    model, _ = _converted(batch)
+    assert structure(model) != native_structure
+    model.config.use_cache = True  # as a stock config has it before the plan turned it off
+    model.fewbit_use_cache = {"": True}
+    plain = runtime.unconvert(model)
+    assert plain is model and structure(plain) == native_structure
+    assert not hasattr(plain.config, "fewbit") and plain.config.use_cache is True
+    assert not hasattr(plain, "fewbit_memory_plan") and not hasattr(plain, "convert_report")
+    loss, gradients = loss_and_gradients(plain, batch)
+    assert torch.equal(loss, native_loss)
+    assert all(torch.equal(gradients[name], native_gradients[name]) for name in native_gradients)
+    assert runtime.unconvert(plain) is plain  # nothing left to undo
 
 
 def _record(**fields):
@@ -85,7 +129,7 @@ BAD_RECORDS = [
         r"fewbit\.convert: runtime\.convert has no argument 'bitz' \(did you mean 'bits'\?\)",
     ),
     (_record(convert={"filter": None}), r"convert\['filter'\]: .*cannot be recorded"),
-    (_record(convert=[3]), r"convert must be a dict"),
+    (_record(convert=[3]), r"convert\[0\] must be a dict"),
     ({k: v for k, v in _record().items() if k != "plan"}, r"fewbit lacks 'plan'"),
     (_record(extra=1), r"unknown field 'extra'"),
     ("fewbit-hf/1", r"fewbit must be an object"),
