@@ -19,7 +19,6 @@ in one object under that key instead (``settings["offload"]``).
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import importlib
 import warnings
@@ -31,6 +30,7 @@ from typing import Any
 import torch
 
 from ..errors import FewBitError
+from .fake import deepcopy_module
 
 __all__ = [
     "Technique",
@@ -153,6 +153,10 @@ class Technique:
         nested: the plan-settings key holding all its options in one object (module docstring), or None.
         aliases: ``plan_memory`` keywords that set one of its options (``{"blpa_bits": "bits"}``).
         in_convert: how ``runtime.convert`` uses it, or None (it does not).
+        scope: ``"block"`` (the planner applies it per block of the chain) or ``"model"`` (it changes what is outside
+            the chain, such as the LM head: the planner profiles the step with and without it, ``apply(model,
+            options)`` applies it to the whole model and ``remove(model)`` undoes it).
+        remove: ``remove(model)``, the undo of a ``"model"``-scope ``apply``.
     """
 
     name: str
@@ -170,6 +174,8 @@ class Technique:
     nested: str | None = None
     aliases: Mapping[str, str] = field(default_factory=dict)
     in_convert: ConvertRole | None = None
+    scope: str = "block"
+    remove: Callable[[torch.nn.Module], Any] | None = None
 
     def __post_init__(self) -> None:
         if self.seam not in SEAMS:
@@ -184,6 +190,8 @@ class Technique:
             object.__setattr__(self, "apply", self._convert_block)
         if self.in_convert is not None and self.convert is None:
             raise ValueError(f"technique {self.name!r}: a convert role needs convert")
+        if self.scope not in ("block", "model") or (self.scope == "model") != (self.remove is not None):
+            raise ValueError(f"technique {self.name!r}: scope is 'block', or 'model' with a remove")
 
     # --- options and plan settings -------------------------------------------------------------------------------
 
@@ -262,7 +270,7 @@ class Technique:
             return bool(self.changes(block, options))
         if self.seam != "module":
             return True
-        holder = torch.nn.ModuleDict({"block": copy.deepcopy(block)})
+        holder = torch.nn.ModuleDict({"block": deepcopy_module(block)})
         before = [type(m) for m in holder.modules()]
         holder["block"] = self.apply_block(holder["block"], options)
         return [type(m) for m in holder.modules()] != before

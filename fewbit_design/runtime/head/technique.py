@@ -1,6 +1,7 @@
 """The chunked LM head as the runtime sees it: a Hugging Face causal LM called with ``labels`` computes its loss a
 chunk of rows at a time, and its logits never exist whole (exact gradients). It applies to a whole model (the head
-is not inside any block); other modules are left as they are. Plan setting: ``head_chunk_rows`` (None: the automatic
+is not inside any block: a ``"model"``-scope technique, which the planner profiles the step with and without);
+other modules are left as they are. Plan setting: ``head_chunk_rows`` (None: the automatic
 chunk of :func:`.ops.default_chunk_rows`)."""
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ def _convert(model: torch.nn.Module, options: HeadOptions, probe: Any) -> torch.
     return apply(model, options.chunk_rows)
 
 
+def _remove(model: torch.nn.Module) -> None:
+    from .convert import remove
+
+    remove(model)
+
+
 def _changes(block: torch.nn.Module, options: HeadOptions) -> bool:
     from .convert import _causal_lms
 
@@ -49,4 +56,6 @@ TECHNIQUE = Technique(
     convert=_convert,
     apply=lambda block, options: _convert(block, options, None),
     changes=_changes,
+    scope="model",
+    remove=_remove,
 )

@@ -26,11 +26,14 @@ from .model import ChainCosts, OptionCost, minimum_budget, optimise, replay, set
 from .report import format_bytes, retained
 from .schema import APPROXIMATE_CHOICES, APPROXIMATE_DEFAULT, OBJECTIVES, check_plan, costs_from_json
 from .techniques import (
+    apply_model_options,
     apply_option,
     apply_regions,
     check_choices,
     is_exact,
+    model_options,
     parse_option,
+    remove_model_options,
     remove_wrappers,
     technique_plan_settings,
 )
@@ -86,6 +89,8 @@ class MemoryPlan(PlanFile):
             ``saved_bytes`` per block, a ``timeline`` (live bytes after each operator) and ``marks`` (the index in
             that timeline where each event of the predicted timeline ends: :class:`.profile.StepMarks`); None
             before.
+        model_options: the ``"model"``-scope techniques applied to the whole model besides the chain's choices (the
+            LM head); their effect is in the costs around the chain. Absent in plans saved before they existed.
         fingerprint: per block of the chain, its class and parameter shapes (see
             :mod:`fewbit_design.runtime.checkpoint.fingerprint`); :meth:`apply` refuses a model whose blocks differ.
             Empty in plans saved before fingerprints existed: they load, and apply without that check.
@@ -107,6 +112,7 @@ class MemoryPlan(PlanFile):
     facts: dict[str, Any] = field(default_factory=dict)
     measured: dict[str, Any] | None = None
     fingerprint: tuple[BlockFingerprint, ...] = ()
+    model_options: tuple[str, ...] = ()
 
     def validate(self, source: str | None = None) -> None:
         """Check every field (:func:`.schema.check_plan`): one :class:`FewBitError` naming the field and the
@@ -145,7 +151,7 @@ class MemoryPlan(PlanFile):
 
     def techniques_used(self) -> set[str]:
         """The techniques the plan uses anywhere."""
-        return {t for choice in self.choices for t in parse_option(choice)}
+        return {t for choice in self.choices for t in parse_option(choice)} | set(self.model_options)
 
     def approximate_blocks(self) -> list[str]:
         """The blocks whose gradients the plan changes: those whose option holds a technique that is approximate in
@@ -223,6 +229,7 @@ class MemoryPlan(PlanFile):
         container, keys, blocks = self.check_model(model)
         check_choices(keys, blocks, self.choices, self.settings)  # before any change
         remember(model)  # for runtime.unconvert
+        apply_model_options(model, self.model_options, self.settings)
         for index, (key, choice) in enumerate(zip(keys, self.choices, strict=True)):
             blocks[index] = apply_option(container, key, choice, self.settings)
         handles = apply_regions(model, blocks, self.choices, self.settings)
@@ -255,6 +262,7 @@ class MemoryPlan(PlanFile):
         container = model.get_submodule(self.chain) if self.chain else model
         for block in container.children():
             remove_wrappers(block)
+        remove_model_options(model, self.model_options)
         for technique in registry.techniques():
             handle = model.__dict__.pop(f"fewbit_{technique.name}", None)
             if handle is not None and hasattr(handle, "remove"):
@@ -386,7 +394,7 @@ class MemoryPlan(PlanFile):
         ``measured`` and ``fingerprint`` may be absent (plans saved before fingerprints existed load, and apply
         without that check)."""
         required = ("format", "chain", "choices", "costs", "budget_bytes", "baseline_bytes", "step_seconds")
-        check_keys("the plan", data, required + ("settings",), ("facts", "measured", "fingerprint"))
+        check_keys("the plan", data, required + ("settings",), ("facts", "measured", "fingerprint", "model_options"))
         if not isinstance(data["choices"], list | tuple):
             raise FewBitError(f"choices must be a list, got {show(data['choices'])}")
         if not isinstance(data["settings"], dict):
@@ -409,7 +417,14 @@ class MemoryPlan(PlanFile):
             facts={} if facts is None else facts,
             measured=data.get("measured"),
             fingerprint=fingerprint_from_json(data.get("fingerprint", []), "fingerprint"),
+            model_options=tuple(_list_of_strings("model_options", data.get("model_options", []))),
         )
+
+
+def _list_of_strings(where: str, value: Any) -> list[str]:
+    if not isinstance(value, list | tuple) or not all(isinstance(item, str) for item in value):
+        raise FewBitError(f"{where} must be a list of technique names, got {show(value)}")
+    return list(value)
 
 
 def load_plan(path: str | os.PathLike) -> MemoryPlan:
@@ -663,29 +678,85 @@ def plan_memory(
     from .profile import outside_inference, profile_model, training_grad_mode
 
     with training_grad_mode():  # a training step, whatever the caller's mode (torch.no_grad, inference_mode)
+        inputs, kwargs = outside_inference(tuple(example_inputs)), outside_inference(dict(example_kwargs or {}))
         chain_name, costs, facts = profile_model(
-            model,
-            outside_inference(tuple(example_inputs)),
-            outside_inference(dict(example_kwargs or {})),
-            chain=chain,
-            allow=allow,
-            settings=settings,
-            loss_fn=loss_fn,
-            repeats=repeats,
+            model, inputs, kwargs, chain=chain, allow=allow, settings=settings, loss_fn=loss_fn, repeats=repeats
         )
-    baseline = facts.pop("baseline_bytes")
-    step_seconds = facts.pop("step_seconds")
-    container = model.get_submodule(chain_name) if chain_name else model
-    settings = {**settings, "allow": allow, "approximate": approximate, "objective": objective}
-    return choose(
-        chain_name,
-        costs,
-        facts,
-        baseline=baseline,
-        step_seconds=step_seconds,
-        settings=settings,
-        budget=budget,
-        allow=allow,
-        fingerprint=fingerprint(list(container)),
-        infeasible=infeasible,
-    )
+        container = model.get_submodule(chain_name) if chain_name else model
+        settings = {**settings, "allow": allow, "approximate": approximate, "objective": objective}
+        variants = [((), costs, facts)]
+        for names in model_options(model, allow, settings)[1:]:
+            variants.append((names, *_with_model_options(model, names, settings, chain_name, inputs, kwargs, costs,
+                                                         facts, loss_fn, repeats)))  # fmt: skip
+    common = dict(settings=settings, allow=allow, fingerprint=fingerprint(list(container)))
+    return _best_variant(chain_name, variants, budget, objective, infeasible, common)
+
+
+def _with_model_options(model, names, settings, chain_name, inputs, kwargs, costs, facts, loss_fn, repeats):
+    """(costs, facts) of the step with the ``"model"``-scope techniques ``names`` applied (and removed again): the
+    blocks' costs are the ones profiled; what is around the chain is profiled again."""
+    from .profile import profile_step_facts
+
+    apply_model_options(model, names, settings)
+    try:
+        around, step = profile_step_facts(model, inputs, kwargs, chain=chain_name, loss_fn=loss_fn, repeats=repeats)
+    finally:
+        remove_model_options(model, names)
+    return replace(costs, **around), {**facts, **step}
+
+
+def _best_variant(chain_name, variants, budget, objective, infeasible, common) -> MemoryPlan:
+    """The plan of the best variant (the step with each set of ``"model"``-scope techniques, the first without one).
+    A model technique is used only where the budget needs it: under the time objective the first variant's plan when
+    it fits; else, for ``"min"`` and the memory objective, the smallest predicted peak, and the fastest plan that fits
+    otherwise. A fraction of a budget is of the unconverted model's peak, whatever the variant."""
+    plans, failures = [], []
+    absolute = budget
+    for names, costs, facts in variants:
+        facts = dict(facts)
+        baseline, step_seconds = facts.pop("baseline_bytes"), facts.pop("step_seconds")
+        arguments = dict(baseline=baseline, step_seconds=step_seconds, budget=absolute, **common)
+        if not names:
+            absolute = _absolute_budget(budget, costs, baseline, common["allow"])
+        try:
+            plan = choose(chain_name, costs, facts, infeasible="raise", **arguments)
+        except FewBitError as error:
+            failures.append((names, costs, facts, arguments, error))
+            continue
+        plan.model_options = tuple(names)
+        plans.append(plan)
+    if plans:
+        if not plans[0].model_options and (budget is None or (objective == "time" and budget != "min")):
+            return plans[0]
+        if objective == "memory" or budget == "min":
+            return min(plans, key=lambda p: (p.predicted_peak_bytes, p.predicted_step_seconds))
+        return min(plans, key=lambda p: (p.predicted_step_seconds, p.predicted_peak_bytes))
+    if infeasible == "raise":
+        raise failures[0][4]
+    return _smallest_fallback(chain_name, failures)
+
+
+def _smallest_fallback(chain_name, failures) -> MemoryPlan:
+    """No variant fits: the plan at the smallest feasible peak of all, its warning given once."""
+    fallbacks = []
+    for names, costs, facts, arguments, _ in failures:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            plan = choose(chain_name, costs, facts, infeasible="smallest", **arguments)
+        plan.model_options = tuple(names)
+        fallbacks.append((plan.predicted_peak_bytes, len(fallbacks), plan, caught))
+    _, _, plan, caught = min(fallbacks, key=lambda item: item[:2])
+    for warning in caught:
+        warnings.warn(warning.message, warning.category, stacklevel=4)
+    return plan
+
+
+def _absolute_budget(budget: Any, costs: ChainCosts, baseline: int, allow: tuple[str, ...]) -> Any:
+    """``budget`` in bytes (a fraction: of the unconverted model's predicted peak), or as it is for None and
+    ``"min"``."""
+    if budget is None or budget == "min":
+        return budget
+    allowed = [[o.option for o in b.options if set(parse_option(o.option)) <= set(allow)] for b in costs.blocks]
+    plain = replay(costs, [b.option("plain") for b in costs.blocks]).peak
+    smallest = minimum_budget(costs, allowed)
+    return resolve_budget(budget, unconverted=baseline + plain, minimum=lambda: baseline + smallest)

@@ -18,7 +18,6 @@ every step return its key/value cache, which the blocks' recorded inputs would t
 
 from __future__ import annotations
 
-import copy
 import statistics
 import time
 import weakref
@@ -32,6 +31,7 @@ from torch.utils._python_dispatch import _disable_current_modes
 from ...errors import FewBitError
 from .. import memory
 from ..blockrun import block_input, first_tensor, run_block, synchronize, training_state_kept
+from ..fake import deepcopy_module
 from ..probe import cache_configs, caches_disabled, outside_inference, training_grad_mode
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import apply_option, candidate_options, charge, option_region
@@ -366,7 +366,7 @@ class _Measure:
         self.settings, self.repeats = settings, repeats
 
     def prepare(self, block: torch.nn.Module, option: str) -> torch.nn.Module:
-        holder = torch.nn.ModuleDict({"block": copy.deepcopy(block)})
+        holder = torch.nn.ModuleDict({"block": deepcopy_module(block)})
         return apply_option(holder, "block", option, self.settings)
 
     def step(self, module: torch.nn.Module, option: str, args: tuple, kwargs: dict, needs_grad: bool) -> None:
@@ -490,6 +490,37 @@ def profile_model(
         argument_bytes=facts.pop("argument_bytes"),
     )
     return chain_name, chain_costs, facts
+
+
+CHAIN_FACTS = (
+    "entry_bytes",
+    "pre_forward_peak",
+    "post_forward_peak",
+    "post_bytes",
+    "pre_backward_peak",
+    "argument_bytes",
+)
+
+
+def profile_step_facts(
+    model: torch.nn.Module,
+    example_inputs: tuple,
+    example_kwargs: dict,
+    *,
+    chain: str,
+    loss_fn: Callable[[Any], torch.Tensor] | None,
+    repeats: int,
+) -> tuple[dict[str, int], dict]:
+    """The step's facts around the chain, its blocks as they are: ``({ChainCosts field: bytes}, facts)`` (the plan's
+    other facts: baseline, measured peak, step seconds). The blocks' own costs do not change with what is outside the
+    chain (the LM head), so :func:`~.plan.plan_memory` profiles the blocks once and this again per ``"model"``-scope
+    option."""
+    container = model.get_submodule(chain) if chain else model
+    with training_state_kept(model), torch.random.fork_rng(), caches_disabled(model):
+        facts, _ = _profile_step(
+            model, list(container), example_inputs, example_kwargs, loss_fn or default_loss, repeats
+        )
+    return {name: facts.pop(name) for name in CHAIN_FACTS}, facts
 
 
 def _first_step(model, example_inputs, example_kwargs, loss_fn) -> torch.Tensor:

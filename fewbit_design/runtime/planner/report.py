@@ -82,6 +82,11 @@ def report(plan: MemoryPlan, file: Any = None) -> str:
             line += f" {format_bytes(row['measured_saved_bytes']):>14}"
         lines.append(line)
     lines.append("-" * len(header))
+    if plan.model_options:
+        lines.append(
+            f"whole model: {', '.join(plan.model_options)} (outside the chain; 'unconverted' below is the chain plain "
+            "with it)"
+        )
     lines.append(
         f"budget {format_bytes(plan.budget_bytes)}; predicted peak {format_bytes(plan.predicted_peak_bytes)} "
         f"(unconverted {format_bytes(plan.unconverted_peak_bytes)}; parameters and inputs "

@@ -219,6 +219,12 @@ def check_plan(plan: Any) -> None:
     chain = check_string("chain", plan.chain)
     _check_costs(chain, plan.costs)
     allow = _check_settings(plan.settings)
+    for index, name in enumerate(plan.model_options):
+        check_choice(f"model_options[{index}]", name, registry.names())
+        if registry.technique(name).scope != "model" or name not in allow:
+            raise FewBitError(
+                f"model_options[{index}] is {show(name)}: a technique of settings.allow whose scope is the model"
+            )
     choices = plan.choices
     if not isinstance(choices, tuple | list):
         raise FewBitError(f"choices must be a list of option names, got {show(choices)}")

@@ -32,6 +32,9 @@ __all__ = [
     "technique_plan_settings",
     "plan_keywords",
     "remove_wrappers",
+    "model_options",
+    "apply_model_options",
+    "remove_model_options",
     "option_region",
     "charge",
     "candidate_options",
@@ -150,6 +153,29 @@ def apply_option(container: torch.nn.Module, key: str, option: str, settings: Ma
     return block
 
 
+def model_options(model: torch.nn.Module, allow: Sequence[str], settings: Mapping[str, Any]) -> list[tuple[str, ...]]:
+    """The sets of ``"model"``-scope techniques worth profiling the step with: none, and each allowed one that would
+    change ``model`` (the LM head of a causal LM)."""
+    found: list[tuple[str, ...]] = [()]
+    for technique in registry.techniques():
+        if technique.scope == "model" and technique.name in allow:
+            if technique.changes_block(model, technique.config(settings)):
+                found.append((technique.name,))
+    return found
+
+
+def apply_model_options(model: torch.nn.Module, names: Sequence[str], settings: Mapping[str, Any]) -> None:
+    """Apply the ``"model"``-scope techniques ``names`` to the whole model."""
+    for technique in registry.iter_option("+".join(names) or "plain"):
+        technique.apply(model, technique.config(settings))
+
+
+def remove_model_options(model: torch.nn.Module, names: Sequence[str]) -> None:
+    """Undo :func:`apply_model_options`."""
+    for technique in registry.iter_option("+".join(names) or "plain"):
+        technique.remove(model)
+
+
 def remove_wrappers(block: torch.nn.Module) -> None:
     """Undo every ``wrapper``-seam technique on ``block`` (:meth:`~..registry.Technique.unwrap`)."""
     for technique in registry.techniques():
@@ -240,7 +266,11 @@ def _combinable(names: Sequence[str]) -> bool:
 def candidate_options(block: torch.nn.Module, allow: Sequence[str], settings: Mapping[str, Any]) -> list[str]:
     """The options worth measuring for ``block``: ``plain`` and every combinable set of the allowed techniques that
     change it (a ``module`` seam only where applying it to a copy changes the block), in a stable order."""
-    useful = [t.name for t in registry.techniques() if t.name in allow and t.changes_block(block, t.config(settings))]
+    useful = [
+        t.name
+        for t in registry.techniques()
+        if t.scope == "block" and t.name in allow and t.changes_block(block, t.config(settings))
+    ]
     options = []
     for size in range(len(useful) + 1):
         for subset in itertools.combinations(useful, size):
