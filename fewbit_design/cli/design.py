@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -176,6 +177,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     if plot is not None:
         figure_format(plot, option="--plot")
     check_outputs({"--out": out, "--plot": plot}, force=force)
+    _note_first_compile()
     start = time.perf_counter()
     table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
                    refine=not no_refine, progress=_progress)  # fmt: skip
@@ -223,3 +225,20 @@ def list_command() -> None:
     widths = [max(len(row[i]) for row in rows) for i in range(3)]
     for row in rows:
         click.echo(f"{row[0]:<{widths[0]}}  {row[1]:<{widths[1]}}  {row[2]:<{widths[2]}}  {row[3]}".rstrip())
+
+
+def _note_first_compile() -> None:
+    """On a terminal, one line before a design whose numba kernels have not been compiled and cached yet (the first
+    design after installing waits about 15 s for it, with no other sign of life)."""
+    if sys.stderr.isatty() and not _kernels_cached():
+        click.echo("compiling the design kernels with numba (once per installation, about 15 s)", err=True)
+
+
+def _kernels_cached() -> bool:
+    """Whether numba's cache holds the dynamic program's kernels (``dp.*.nbi`` index files, in ``NUMBA_CACHE_DIR``
+    when it is set, else beside the module)."""
+    from ..design import dp
+
+    root = os.environ.get("NUMBA_CACHE_DIR")
+    folder = Path(root) if root else Path(dp.__file__).parent / "__pycache__"
+    return any(folder.rglob("dp.*.nbi")) if folder.is_dir() else False

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import click
@@ -60,9 +61,29 @@ def tables_build(out: str | None, jobs: int | None, activations: tuple[str, ...]
         elapsed = time.perf_counter() - start
         click.echo(f"ok: {total} tables rebuilt in memory are the same as the set ({elapsed:.1f} s)")
         return
+    if out is None:
+        _refuse_installed_package()
     with _progress(total, "designing tables") as bar:
         root = build(out, jobs=jobs, activations=names, progress=lambda _spec: bar.update(1))
     click.echo(f"wrote {total} tables and index.json to {root} in {time.perf_counter() - start:.1f} s")
+
+
+def _refuse_installed_package() -> None:
+    """``tables build`` without ``--out`` writes into the package's own tables folder: right in a source checkout,
+    wrong in an installed package (a wheel's files belong to pip, and other environments may share them)."""
+    from .. import tables
+
+    folder = Path(tables.__file__).resolve().parent
+    if installed_package(folder):
+        raise FewBitError(
+            f"tables build: the shipped tables are inside the installed package ({folder}); pass --out DIR to "
+            "write the set elsewhere (tables build rewrites the package's own folder only in a source checkout)"
+        )
+
+
+def installed_package(folder: Path) -> bool:
+    """Whether ``folder`` is inside an installed package (under site-packages or dist-packages), not a checkout."""
+    return any(part in ("site-packages", "dist-packages") for part in folder.parts)
 
 
 @tables_group.command("verify")
