@@ -107,6 +107,13 @@ LINESTYLES = ("-", "--", "-.", ":")
 MARKERS = "os^vD<>ph*"
 
 
+def _density(x: np.ndarray, weight: np.ndarray) -> np.ndarray:
+    """The weight normalised to a probability density over the plotted range (the weights are defined up to a
+    factor: the uniform one is 1 on its range): what the axis label says it is."""
+    area = float(np.trapezoid(weight, x)) if hasattr(np, "trapezoid") else float(np.trapz(weight, x))
+    return weight / area if area > 0 else weight
+
+
 def _weight_axis(axes: Any, x: np.ndarray, density: np.ndarray, label: str) -> Any:
     """The weight as a density curve on a secondary y axis of ``axes`` (ticks and label on the right, in the curve's
     colour), drawn behind the data; returns that axis."""
@@ -159,7 +166,7 @@ def table_figure(table: Table, bound_activation: Any, weight: Any) -> Any:
     axes.set_xlabel("x (pre-activation)")
     axes.set_ylabel("derivative")
     axes.set_xlim(low, high)
-    weight_axes = _weight_axis(axes, x, weight(x), f"weight w(x), {table.weight.get('kind')}")
+    weight_axes = _weight_axis(axes, x, _density(x, weight(x)), f"weight w(x), {table.weight.get('kind')}")
     _legend(axes, weight_axes, loc="upper left", fontsize=8)
     snr = "" if table.snr_db is None else f", SNR {table.snr_db:.1f} dB"
     symmetric = ", symmetric" if table.symmetric else ""
@@ -168,14 +175,9 @@ def table_figure(table: Table, bound_activation: Any, weight: Any) -> Any:
 
 
 def _view_range(tables: list[Table], weight: Any) -> tuple[float, float]:
-    """The x range worth showing for all panels: every table's boundaries, padded, inside the design range."""
-    low, high = float(weight.low), float(weight.high)
-    boundaries = np.concatenate([t.boundaries for t in tables])
-    if boundaries.size:
-        pad = max(2.0, 0.25 * float(boundaries.max() - boundaries.min()))
-        low = max(low, float(boundaries.min()) - pad)
-        high = min(high, float(boundaries.max()) + pad)
-    return low, high
+    """The x range shown: the whole design range (the weight's support, over which the error is measured), so that
+    the weight's density and the step function are seen where they count."""
+    return float(weight.low), float(weight.high)
 
 
 def _activation_label(bound_activation: Any) -> str:
@@ -210,7 +212,7 @@ def bits_grid_figure(tables: list[Table], bound_activation: Any, weight: Any) ->
         axes = figure.add_subplot(rows, columns, index + 1)
         inside = table.boundaries[(table.boundaries > low) & (table.boundaries < high)]
         x = np.unique(np.concatenate([np.linspace(low, high, 2001), inside]))
-        shade = _weight_axis(axes, x, weight(x), "weight w(x)")
+        shade = _weight_axis(axes, x, _density(x, weight(x)), "weight w(x)")
         axes.plot(x, bound_activation.df(x), color="tab:blue", linewidth=1.5, label="f'(x)")
         edges = np.concatenate([[low], inside, [high]])
         axes.stairs(

@@ -144,3 +144,19 @@ def test_memory_timeline_draws_predicted_and_measured_on_one_axis_with_both_peak
     assert predicted_peak.get_ydata()[0] == max(predicted.get_data().values)
     # the legend sits outside the data, to the right of the panel
     assert timeline.get_legend().get_window_extent().x0 >= timeline.get_window_extent().x1
+
+
+@pytest.mark.parametrize("weight", ["uniform", "normal"])
+def test_the_weight_axis_is_a_density_over_the_whole_design_range(capsys, tmp_path, figures, weight):
+    """The curve labelled a density integrates to 1 over the x axis, which spans the design range [-10, 10] (the
+    uniform weight was drawn at 1.0 on a window clipped to about +-4.8)."""
+    import numpy as np
+
+    run(capsys, "plot", "gelu", "--bits", "2", "--weight", weight, "--out", str(tmp_path / "gelu.png"))
+    (figure,) = figures
+    (axes,) = [a for a in figure.axes if a.get_xlabel() == "x (pre-activation)"]
+    assert axes.get_xlim() == (-10.0, 10.0)
+    (curve,) = _weight_axes(figure, axes).get_lines()
+    area = np.trapezoid(curve.get_ydata(), curve.get_xdata())
+    assert area == pytest.approx(1.0, rel=1e-9)
+    assert curve.get_xdata().min() == -10.0 and curve.get_xdata().max() == 10.0
