@@ -58,7 +58,7 @@ _LAZY = {
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
-        + ("hf", "conversion", "attention", "probe", "modules")
+        + ("hf", "conversion", "attention", "probe", "modules", "dropout")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),

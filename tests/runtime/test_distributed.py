@@ -21,7 +21,7 @@ import pytest
 
 SCRIPT = Path(__file__).parent / "distributed" / "train_step.py"
 #: the techniques the planner can choose on the script's models (each gets a plan case)
-PLANNED = ("norms", "gated", "exact_attention", "blpa", "fewbit", "linear", "offload", "checkpoint")
+PLANNED = ("norms", "gated", "exact_attention", "blpa", "dropout", "fewbit", "linear", "offload", "checkpoint")
 CASES = ("plain", "fewbit", "blpa", "checkpoint", "offload", "plan", "head", "attention")
 CASES += tuple(f"plan-{t}" for t in PLANNED)
 WRAPPERS = ("ddp", "fsdp2")

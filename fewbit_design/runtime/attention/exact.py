@@ -17,18 +17,26 @@ token fewer than native (v; with ``repeat_kv`` GQA, the repeated k and v become 
 Under ``torch.compile`` the op is opaque (custom op, fake kernels): the partitioner cannot keep v, since no backward
 node reads it.
 
-Custom ops (``torch.library``): ``fewbit::value_recompute_attention`` and its ``_backward``; entry point
-:func:`value_recompute_attention`; :class:`ValueLinear` is the projection that hands (x, its output) to the core.
+With attention dropout (training), :func:`dropout_attention`: the forward and backward of :mod:`.dropout` (the
+math path's formula with a keep mask drawn from a seed, in blocks), which keep q, k, x (or v, where no value
+projection makes it), the caller's mask and the seed; the keep mask is drawn again in backward, bit for bit. Gradients
+equal native SDPA's given the same keep mask (native's math path with that mask passed in) to float32 rounding.
+
+Custom ops (``torch.library``): ``fewbit::value_recompute_attention`` and ``fewbit::dropout_attention``, each with its
+``_backward``; entry points :func:`value_recompute_attention` and :func:`dropout_attention`; :class:`ValueLinear` is
+the projection that hands (x, its output) to the core.
 """
 
 from __future__ import annotations
 
 import torch
 
+from ...errors import FewBitError
 from .._torchscript import NotScriptable
+from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
 from .ops import _native_picks_flash, _repeat, flash_gradients_like, flash_layout
 
-__all__ = ["value_recompute_attention", "ValueLinear", "take_recipe"]
+__all__ = ["value_recompute_attention", "dropout_attention", "ValueLinear", "take_recipe"]
 
 #: the attribute of a :class:`ValueLinear` holding (input, output) of its last forward until the core takes it
 RECIPE = "fewbit_recipe"
@@ -67,8 +75,8 @@ def _attention(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     mask: torch.Tensor | None,
     scale: float | None,
@@ -99,8 +107,9 @@ def _attention_backward(
     grad: torch.Tensor,
     q: torch.Tensor,
     k: torch.Tensor,
-    x: torch.Tensor,
-    weight: torch.Tensor,
+    v: torch.Tensor | None,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
     bias: torch.Tensor | None,
     output: torch.Tensor,
     log_sum_exp: torch.Tensor,
@@ -112,8 +121,8 @@ def _attention_backward(
     is_causal: bool,
     repeat: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    # v = projection(x) seen through the forward's view of it: the one matmul this op adds
-    v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
+    if v is None:  # v = projection(x) seen through the forward's view of it: the one matmul this op adds
+        v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad,
         q,
@@ -134,22 +143,22 @@ def _attention_backward(
 
 
 @_attention_backward.register_fake
-def _(grad, q, k, x, weight, bias, output, log_sum_exp, mask, v_size, v_stride, v_offset, scale, is_causal, repeat):
+def _(grad, q, k, v, x, weight, bias, output, log_sum_exp, mask, v_size, v_stride, v_offset, scale, is_causal, repeat):
     return flash_gradients_like(grad, list(q.shape), list(k.shape), v_size)
 
 
 def _setup_context(ctx, inputs, output) -> None:
     q, k, v, x, weight, bias, mask, scale, is_causal, repeat = inputs
-    ctx.save_for_backward(q, k, x, weight, bias, output[0], output[1], mask)
+    ctx.save_for_backward(q, k, v if x is None else None, x, weight, bias, output[0], output[1], mask)
     ctx.view = (list(v.size()), list(v.stride()), v.storage_offset())
     ctx.options = (scale, is_causal, repeat)
 
 
 def _backward(ctx, grad: torch.Tensor, _grad_log_sum_exp: torch.Tensor | None):
-    q, k, x, weight, bias, output, log_sum_exp, mask = ctx.saved_tensors
+    q, k, v, x, weight, bias, output, log_sum_exp, mask = ctx.saved_tensors
     scale, is_causal, repeat = ctx.options
     grad_q, grad_k, grad_v = torch.ops.fewbit.value_recompute_attention_backward(
-        grad, q, k, x, weight, bias, output, log_sum_exp, mask, *ctx.view, scale, is_causal, repeat
+        grad, q, k, v, x, weight, bias, output, log_sum_exp, mask, *ctx.view, scale, is_causal, repeat
     )
     return grad_q, grad_k, grad_v, None, None, None, None, None, None, None
 
@@ -184,8 +193,8 @@ def value_recompute_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     mask: torch.Tensor | None,
-    recipe: tuple[torch.Tensor, torch.Tensor] | None,
-    projection: torch.nn.Module,
+    recipe: tuple[torch.Tensor, torch.Tensor, int] | None,
+    projection: torch.nn.Module | None,
     *,
     scale: float | None,
     is_causal: bool,
@@ -193,24 +202,24 @@ def value_recompute_attention(
     enable_gqa: bool,
 ) -> torch.Tensor | None:
     """``F.scaled_dot_product_attention`` (no dropout, ``repeat_kv`` by ``kv_repeat`` or ``enable_gqa``) that keeps
-    the projection's input instead of v (module docstring); None where it does not apply (no gradient to compute,
-    no recipe, v not a view of the recipe's output, or native would not run the CPU flash kernel): the caller then
-    runs native SDPA.
+    the projection's input instead of v (module docstring), or v itself where v is not a view of the recipe's output
+    (a key/value cache's copy): k and v at their key/value heads either way, where native repeats them whenever a
+    mask is passed. None where it does not apply (no gradient to compute, or native would not run the CPU flash
+    kernel): the caller then runs native SDPA.
 
     Args:
-        q, k, v: (B, H, S, D), (B, H_kv, S, D), (B, H_kv, S, D)
+        q: queries (B, H, S, D)
+        k: keys (B, H_kv, S, D)
+        v: values (B, H_kv, S, D)
         mask: SDPA's mask or None
-        recipe: (x, projection(x), its version) from :func:`take_recipe`
-        projection: the linear whose weight and bias made v
+        recipe: (x, projection(x), its version) from :func:`take_recipe`, or None
+        projection: the linear whose weight and bias made v, or None
     """
-    if recipe is None or not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
+    if not torch.is_grad_enabled() or not any(t.requires_grad for t in (q, k, v)):
         return None
     if mask is not None and mask.requires_grad:
         return None
-    x, projected, version = recipe
-    if not _views(v, projected, version):
-        return None
-    if v.dtype != projected.dtype or v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
+    if v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
         return None
     # query heads per key/value head, repeated by this op as repeat_kv does (or SDPA under enable_gqa)
     repeat = q.shape[1] // k.shape[1] if enable_gqa else kv_repeat
@@ -220,7 +229,151 @@ def value_recompute_attention(
     # the same question without the copy)
     if not _native_picks_flash(q, k, v, mask, scale, is_causal, repeat):
         return None
-    output, _ = torch.ops.fewbit.value_recompute_attention(
-        q, k, v, x, projection.weight, projection.bias, mask, scale, is_causal, repeat
-    )
+    x, weight, bias = _rebuild(v, recipe, projection)
+    output, _ = torch.ops.fewbit.value_recompute_attention(q, k, v, x, weight, bias, mask, scale, is_causal, repeat)
     return output
+
+
+def _rebuild(
+    v: torch.Tensor, recipe: tuple[torch.Tensor, torch.Tensor, int] | None, projection: torch.nn.Module | None
+) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """``(x, weight, bias)`` to rebuild v from, when v is a view of the recipe's output (:func:`_views`), else
+    ``(None, None, None)``: v is kept."""
+    if recipe is None or projection is None or not _views(v, recipe[1], recipe[2]) or v.dtype != recipe[1].dtype:
+        return None, None, None
+    return recipe[0], projection.weight, projection.bias
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# With attention dropout: the math path's formula in blocks (.dropout), the keep mask drawn from a seed both ways
+
+
+@torch.library.custom_op("fewbit::dropout_attention", mutates_args=())
+def _dropout_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor,
+    p: float,
+    scale: float | None,
+    is_causal: bool,
+) -> torch.Tensor:
+    # the output laid out as the flash kernel's (B, S, H, D_v): Hugging Face's transpose(1, 2).contiguous() is free
+    output = flash_layout(q, (*q.shape[:3], v.shape[-1]))
+    return dropout_attention_forward(q, k, v, mask, int(seed), p, scale, is_causal, out=output)
+
+
+@_dropout_attention.register_fake
+def _(q, k, v, x, weight, bias, mask, seed, p, scale, is_causal):
+    return flash_layout(q, (*q.shape[:3], v.shape[-1]))
+
+
+@torch.library.custom_op("fewbit::dropout_attention_backward", mutates_args=())
+def _dropout_attention_backward(
+    grad: torch.Tensor,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor | None,
+    x: torch.Tensor | None,
+    weight: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    mask: torch.Tensor | None,
+    seed: torch.Tensor,
+    v_size: list[int],
+    v_stride: list[int],
+    v_offset: int,
+    p: float,
+    scale: float | None,
+    is_causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    if v is None:  # v = projection(x) seen through the forward's view of it
+        v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
+    gradients = flash_gradients_like(grad, list(q.shape), list(k.shape), v_size)
+    return dropout_attention_backward(grad, q, k, v, mask, int(seed), p, scale, is_causal, out=gradients)
+
+
+@_dropout_attention_backward.register_fake
+def _(grad, q, k, v, x, weight, bias, mask, seed, v_size, v_stride, v_offset, p, scale, is_causal):
+    return flash_gradients_like(grad, list(q.shape), list(k.shape), v_size)
+
+
+def _dropout_setup_context(ctx, inputs, output) -> None:
+    q, k, v, x, weight, bias, mask, seed, p, scale, is_causal = inputs
+    ctx.save_for_backward(q, k, v if x is None else None, x, weight, bias, mask, seed)
+    ctx.view = (list(v.size()), list(v.stride()), v.storage_offset())
+    ctx.options = (p, scale, is_causal)
+
+
+def _dropout_backward(ctx, grad: torch.Tensor):
+    q, k, v, x, weight, bias, mask, seed = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.fewbit.dropout_attention_backward(
+        grad, q, k, v, x, weight, bias, mask, seed, *ctx.view, *ctx.options
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None, None, None
+
+
+_dropout_attention.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
+
+
+def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:
+    """One :class:`FewBitError` naming the shapes when q, k, v and the mask do not make one attention call."""
+    shapes = f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}"
+    if not (q.dim() == k.dim() == v.dim() == 4):
+        raise FewBitError(f"attention takes 4-D q, k, v (batch, heads, length, head dim), got {shapes}")
+    batch, heads, rows, dim = q.shape
+    if k.shape[:3] != v.shape[:3] or k.shape[0] != batch or k.shape[-1] != dim or heads % max(1, k.shape[1]):
+        raise FewBitError(
+            f"attention needs k and v of q's batch, the same heads and length, k's head dim equal to q's and q's "
+            f"heads a multiple of k's, got {shapes}"
+        )
+    if len({q.dtype, k.dtype, v.dtype}) > 1 or len({q.device, k.device, v.device}) > 1:
+        raise FewBitError(f"attention needs q, k, v of one dtype and device, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask is not None:
+        full = (batch, heads, rows, k.shape[2])
+        if mask.dim() > 4 or any(size not in (1, wanted) for size, wanted in zip(mask.shape[::-1], full[::-1])):
+            raise FewBitError(f"the attention mask {tuple(mask.shape)} does not broadcast to {full} ({shapes})")
+        if mask.requires_grad:
+            raise FewBitError("the attention mask must not require grad (the dropout core gives it no gradient)")
+
+
+def dropout_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    mask: torch.Tensor | None = None,
+    *,
+    p: float,
+    scale: float | None = None,
+    is_causal: bool = False,
+    recipe: tuple[torch.Tensor, torch.Tensor, int] | None = None,
+    projection: torch.nn.Module | None = None,
+) -> torch.Tensor:
+    """``F.scaled_dot_product_attention(q, k, v, mask, dropout_p=p, is_causal=..., scale=..., enable_gqa=True)`` whose
+    keep mask is drawn from a seed it keeps and drawn again in backward (:mod:`.dropout`): it keeps q, k, v (or, with
+    ``recipe`` and ``projection`` and v a view of the recipe's output, the projection's input instead of v), the
+    caller's mask and the seed, nothing of size S x S. k and v stay at their key/value heads.
+
+    >>> q, k, v = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(3))
+    >>> dropout_attention(q, k, v, p=0.1, is_causal=True).shape
+    torch.Size([1, 2, 5, 8])
+
+    Args:
+        q: queries (B, H, S, D)
+        k: keys (B, H_kv, S_kv, D), H a multiple of H_kv
+        v: values (B, H_kv, S_kv, D_v)
+        mask: boolean (True = attend) or additive float mask broadcastable to (B, H, S, S_kv), or None
+        p: the dropout probability, in [0, 1)
+        scale: the score scale (None: 1 / sqrt(D))
+        is_causal: SDPA's causal flag (upper-left)
+        recipe: (x, projection(x), its version) from :func:`take_recipe`, or None: v is kept
+        projection: the linear whose weight and bias made v from x
+    """
+    p = check_probability(p)
+    _check_inputs(q, k, v, mask)
+    x, weight, bias = _rebuild(v, recipe, projection)
+    seed = draw_seed(q.device)
+    return torch.ops.fewbit.dropout_attention(q, k, v, x, weight, bias, mask, seed, p, scale, bool(is_causal))

@@ -6,6 +6,7 @@ lists them in its report."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -21,17 +22,23 @@ __all__ = ["functional_calls", "FUNCTIONAL_NAMES"]
 FUNCTIONAL_NAMES = frozenset(activations.names()) | {f"{name}_" for name in activations.names()}
 
 
-class _FunctionalActivations(TorchFunctionMode):
-    """Counts calls of activation functions per innermost running module (a stack kept by forward hooks)."""
+def _activation_call(name: str, args: tuple, kwargs: dict) -> bool:
+    return name in FUNCTIONAL_NAMES
 
-    def __init__(self, stack: list[tuple[str, torch.nn.Module]]) -> None:
+
+class _FunctionalCalls(TorchFunctionMode):
+    """Counts the calls ``wanted`` picks per innermost running module (a stack kept by forward hooks), except inside
+    a module that ``sees_itself`` says its technique reached."""
+
+    def __init__(self, stack: list[tuple[str, torch.nn.Module]], wanted: Callable, sees_itself: Callable) -> None:
         super().__init__()
         self.stack = stack
+        self.wanted, self.sees_itself = wanted, sees_itself
         self.calls: Counter[tuple[str, str, str]] = Counter()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         name = getattr(func, "__name__", "")
-        if name in FUNCTIONAL_NAMES and not any(_sees_itself(module) for _, module in self.stack):
+        if self.wanted(name, args, kwargs or {}) and not any(self.sees_itself(module) for _, module in self.stack):
             where, module = self.stack[-1] if self.stack else ("", None)
             owner = type(module).__qualname__ if module is not None else "?"
             self.calls[where, owner, _function_name(func, name)] += 1
@@ -54,14 +61,24 @@ def _sees_itself(module: torch.nn.Module) -> bool:
     return type(module).__module__.startswith("fewbit_design.") or _recognise(module) is not None
 
 
-def functional_calls(model: torch.nn.Module, probe: Any, options: Any = None) -> list[tuple[str, str, str, int]]:
-    """``(module name, module class, function, calls)`` of every activation function called in forward code on one
-    run of ``probe`` (no gradients; no side effects).
+def functional_calls(
+    model: torch.nn.Module,
+    probe: Any,
+    options: Any = None,
+    *,
+    wanted: Callable[[str, tuple, dict], bool] = _activation_call,
+    sees_itself: Callable[[torch.nn.Module], bool] = _sees_itself,
+) -> list[tuple[str, str, str, int]]:
+    """``(module name, module class, function, calls)`` of every call ``wanted`` picks (by default: of an activation
+    function) in forward code on one run of ``probe`` (no gradients; no side effects).
 
     Args:
         model: the model
         probe: example inputs of one step
         options: the technique's options (unused: every activation is looked for)
+        wanted: ``wanted(function name, args, kwargs)``, which calls to count (another technique's functions:
+            dropout's)
+        sees_itself: ``sees_itself(module)``, whether calls inside a running module are its technique's business
     """
     stack: list[tuple[str, torch.nn.Module]] = []
     handles = []
@@ -76,7 +93,7 @@ def functional_calls(model: torch.nn.Module, probe: Any, options: Any = None) ->
 
         handles.append(module.register_forward_pre_hook(push))
         handles.append(module.register_forward_hook(pop, always_call=True))
-    mode = _FunctionalActivations(stack)
+    mode = _FunctionalCalls(stack, wanted, sees_itself)
     try:
         with no_side_effects(model), torch.no_grad(), mode:
             run_example(model, probe)

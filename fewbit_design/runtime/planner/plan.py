@@ -537,11 +537,18 @@ def check_plan_arguments(
     **options: Any,
 ) -> tuple[tuple[str, ...], dict[str, Any]]:
     """Check :func:`plan_memory`'s arguments that do not need the model (the Trainer callback checks them when it is
-    made); return ``(allow, the techniques' plan settings)``. One :class:`FewBitError` names a bad one.
+    made); return ``(allow, the techniques' plan settings)``. One :class:`FewBitError` names a bad one. The
+    arguments are :func:`plan_memory`'s of the same names.
 
     Args:
-        budget, allow, objective, approximate, repeats, infeasible, technique_settings, options: as
-            :func:`plan_memory` takes them
+        budget: the budget
+        allow: the techniques allowed
+        objective: ``"time"`` or ``"memory"``
+        approximate: ``"if-needed"`` or ``"allowed"``
+        repeats: timed runs
+        infeasible: ``"raise"`` or ``"smallest"``
+        technique_settings: technique options by plan-settings key
+        options: technique options by their ``plan_memory`` keywords
     """
     if allow is None:
         allow = registry.names()

@@ -11,10 +11,11 @@ Cases: ``plain``, ``fewbit``, ``blpa``, ``checkpoint``, ``offload`` convert an M
 directly; ``plan`` is a ``plan_memory`` plan (few-bit and checkpoint) of the MLP; ``plan-<technique>`` is a
 ``plan_memory`` plan that may use that technique alone (``budget="min"``, ``approximate="allowed"``), made on the
 first of the test models where the planner can choose it (a tiny Hugging Face LLaMA, whose decoder layers hold
-the norms, gated MLPs and linear layers; a chain of BatchNorm -> ReLU -> Linear blocks; the MLPs), for every
-registered technique the planner can choose there; ``head`` converts the LLaMA with ``runtime.head.convert``,
-since the planner cannot choose the head (it is not inside any block of the chain), and ``attention`` converts
-its attention cores with ``runtime.attention.convert`` (``convert(compress=K)`` applies it; not a plan option).
+the norms, gated MLPs and linear layers; a chain of BatchNorm -> ReLU -> Linear blocks; the MLPs; an MLP with
+dropout), for every registered technique the planner can choose there; ``head`` converts the LLaMA with
+``runtime.head.convert``, since the planner cannot choose the head (it is not inside any block of the chain), and
+``attention`` converts its attention cores with ``runtime.attention.convert`` (``convert(compress=K)`` applies it;
+not a plan option).
 Rank 0 plans, and the plan is sent to every rank like a saved plan.json (timings differ between processes). The
 record ``choosable`` lists, per registered technique, the first test model where the planner can choose it (None:
 on none of them).
@@ -23,7 +24,8 @@ The reference is the single-process model on the concatenated batch, with the lo
 and FSDP2 average the two ranks' gradients of their local means, which is the gradient of the global mean. The
 BLPA models hold batch norms, whose statistics are per replica under DDP and FSDP (torch's documented behaviour;
 SyncBatchNorm is a different module that BLPA does not fuse): their reference is the mean of the single-process
-gradients of the two halves, run one after the other.
+gradients of the two halves, run one after the other. The dropout MLP draws its masks on each rank from the same
+random state (every rank seeds alike) for its half of the batch: its reference runs each half from that state.
 
 Everything runs in float64, so for the exact techniques the only differences are the order of floating-point sums
 (the all-reduce adds two partial sums; one process sums all 8 rows at once): at most a few ulp of the gradients'
@@ -119,10 +121,23 @@ def llama() -> nn.Module:
     return LlamaForCausalLM(config).double().train()
 
 
+def dropout_mlp() -> nn.Sequential:
+    """:func:`mlp` with dropout (p = 0.1) after each activation."""
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(FEATURES, 32), nn.GELU(), nn.Dropout(0.1))]
+    blocks += [nn.Sequential(nn.Linear(32, 32), nn.SiLU(), nn.Dropout(0.1)) for _ in range(3)]
+    blocks.append(nn.Sequential(nn.Linear(32, 4)))
+    return nn.Sequential(*blocks).double()
+
+
 #: the test models: how to build one, and its example batch from (features, token ids)
-MODELS: dict[str, Callable[[], nn.Module]] = {"llama": llama, "bn_blocks": bn_blocks, "mlp": mlp, "bn_mlp": bn_mlp}
+MODELS: dict[str, Callable[[], nn.Module]] = {
+    "llama": llama, "bn_blocks": bn_blocks, "mlp": mlp, "bn_mlp": bn_mlp, "dropout_mlp": dropout_mlp,
+}  # fmt: skip
 #: the models with batch norms, whose statistics are per replica
 PER_REPLICA = ("bn_mlp", "bn_blocks")
+#: the models with dropout, whose masks each rank draws from the same random state
+RANDOM = ("dropout_mlp",)
 
 
 def batch_of(kind: str, batches: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -258,8 +273,10 @@ def full_gradients(model: nn.Module) -> dict[str, torch.Tensor]:
 def reference(case: str, batches: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     model, _, kind = build(case, batches)
     batch = batch_of(kind, batches)
-    if kind in PER_REPLICA:  # per-replica batch statistics: the mean of the halves' gradients
+    if kind in PER_REPLICA or kind in RANDOM:  # per-replica statistics or masks: the mean of the halves' gradients
+        state = torch.get_rng_state()
         for half in batch.chunk(dist.get_world_size()):
+            torch.set_rng_state(state)  # each rank's masks, drawn from the state every rank has after build
             (loss_of(kind, model, half) / dist.get_world_size()).backward()
     else:
         loss_of(kind, model, batch).backward()

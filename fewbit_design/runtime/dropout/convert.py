@@ -1,0 +1,197 @@
+"""Replace a model's ``torch.nn.Dropout`` modules by :class:`~.nn.CompactDropout`, and say what was done.
+
+A module is replaced when its class is exactly ``torch.nn.Dropout`` (Hugging Face models use it for their residual,
+MLP, embedding and classifier dropout), its ``p`` is above 0 and it carries no hooks (the replacement would drop
+them). The replacement takes the module's ``p``, ``inplace`` and training mode and nothing else (a dropout module
+holds nothing else), and draws as it does, so the model computes what it computed. Left alone, with the reason in
+the report: dropout with ``p = 0`` (nothing drawn, nothing kept), the channel-wise and alpha forms
+(``Dropout1d/2d/3d``, ``AlphaDropout``, ``FeatureAlphaDropout``: another mask), subclasses of ``torch.nn.Dropout``
+(their forward may differ) and other modules named like a dropout (transformers' ``StableDropout`` of SEW-D,
+``EsmFoldDropout``: other formulas). Converting again changes nothing (a :class:`~.nn.CompactDropout` is no
+candidate).
+
+Dropout called as a function in forward code (``torch.nn.functional.dropout``, as the eager attention of GPT-2 and
+BERT does on its probabilities) is no module to replace: :func:`functional_calls` finds such calls on a probe for
+``runtime.convert``'s report.
+
+>>> import torch
+>>> model = convert(torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.1)))
+>>> type(model[1]).__name__, str(model.dropout_report).splitlines()[0]
+('CompactDropout', 'dropout: replaced 1 module(s), left 0 alone; the mask kept as 1 bit per element')
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ...errors import FewBitError, check_choice
+from ..modules import slots, swap
+from .nn import CompactDropout
+from .ops import MODES
+
+__all__ = ["convert", "DropoutReport", "functional_calls", "FUNCTIONAL_NAMES"]
+
+#: the dropout functions looked for in forward code (``torch.nn.functional.dropout``, ``torch.dropout`` and the
+#: in-place forms): element-wise masks that a replaced module would have kept in bits
+FUNCTIONAL_NAMES = frozenset({"dropout", "dropout_"})
+_KEPT = {"bits": "the mask kept as 1 bit per element", "seed": "the random state kept to draw the mask again"}
+_OTHER_FORMS = {
+    torch.nn.Dropout1d: "drops whole channels (another mask)",
+    torch.nn.Dropout2d: "drops whole channels (another mask)",
+    torch.nn.Dropout3d: "drops whole channels (another mask)",
+    torch.nn.AlphaDropout: "alpha dropout (another formula)",
+    torch.nn.FeatureAlphaDropout: "alpha dropout of whole channels (another formula)",
+}
+
+
+@dataclass(frozen=True)
+class Replaced:
+    """One dropout module replaced (``names``: every name it has in the model)."""
+
+    names: tuple[str, ...]
+    p: float
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One dropout-like module left alone, and why."""
+
+    names: tuple[str, ...]
+    original: str
+    reason: str
+
+
+@dataclass
+class DropoutReport:
+    """What :func:`convert` did (``model.dropout_report``).
+
+    Attributes:
+        replaced: the dropout modules replaced (names, p)
+        skipped: the dropout-like modules left alone, with the reason
+        already: how many were :class:`~.nn.CompactDropout` already
+        mode: what the replacements keep (:data:`.ops.MODES`)
+    """
+
+    replaced: list[Replaced] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    already: int = 0
+    mode: str = "bits"
+
+    def __str__(self) -> str:
+        lines = [
+            f"dropout: replaced {len(self.replaced)} module(s), left {len(self.skipped)} alone; {_KEPT[self.mode]}"
+        ]
+        for p, count in sorted(Counter(item.p for item in self.replaced).items()):
+            lines.append(f"  {count} x torch.nn.Dropout(p={p:g}) -> CompactDropout")
+        for (original, reason), count in Counter((item.original, item.reason) for item in self.skipped).items():
+            lines.append(f"  left alone: {count} x {original}: {reason}")
+        if self.already:
+            lines.append(f"  {self.already} module(s) were CompactDropout already")
+        return "\n".join(lines)
+
+
+def _class_path(cls: type) -> str:
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def _has_hooks(module: torch.nn.Module) -> bool:
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )
+
+
+def _candidate(module: torch.nn.Module, mode: str) -> CompactDropout | str | None:
+    """The replacement, the reason to leave a dropout-like module alone, or None for any other module."""
+    if type(module) is torch.nn.Dropout:
+        if module.p == 0:
+            return "p = 0 (it draws and keeps nothing)"
+        if _has_hooks(module):
+            return "it carries hooks (the replacement would drop them)"
+        try:
+            replacement = CompactDropout(module.p, bool(module.inplace), mode=mode)
+        except FewBitError as error:  # a p set after construction, which torch's dropout would refuse in forward
+            return str(error)
+        return replacement.train(module.training)
+    if type(module) in _OTHER_FORMS:
+        return _OTHER_FORMS[type(module)]
+    if isinstance(module, torch.nn.Dropout):
+        return "a subclass of torch.nn.Dropout (its forward may differ)"
+    if "dropout" in type(module).__name__.lower() and not module._modules:
+        return "not torch.nn.Dropout (another formula)"
+    return None
+
+
+def convert(model: torch.nn.Module, *, mode: str = "bits") -> torch.nn.Module:
+    """Replace, in place, every ``torch.nn.Dropout`` of ``model`` with ``p > 0`` (see the module docstring) by a
+    :class:`~.nn.CompactDropout`; return the model, with ``model.dropout_report`` (a :class:`DropoutReport`). A
+    model that is itself a dropout module is returned replaced (use the return value). A model in which nothing was
+    replaced gives a warning.
+
+    Args:
+        model: the model
+        mode: what the replacements keep for backward: ``"bits"`` (the mask, 1 bit per element) or ``"seed"`` (the
+            random state, drawing the mask again in backward)
+    """
+    if not isinstance(model, torch.nn.Module):
+        raise FewBitError(f"dropout.convert takes a torch.nn.Module, got {type(model).__name__}")
+    mode = check_choice("dropout mode", mode, MODES)
+    report = DropoutReport(mode=mode)
+    found = slots(model)
+    replacements: dict[int, torch.nn.Module] = {}
+    for slot in found:
+        if isinstance(slot.module, CompactDropout):
+            report.already += 1
+            continue
+        candidate = _candidate(slot.module, mode)
+        if isinstance(candidate, CompactDropout):
+            replacements[id(slot.module)] = candidate
+            report.replaced.append(Replaced(slot.names, candidate.p))
+        elif isinstance(candidate, str):
+            report.skipped.append(Skipped(slot.names, _class_path(type(slot.module)), candidate))
+    converted = swap(model, found, replacements)
+    converted.dropout_report = report
+    if not report.replaced and not report.already:
+        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in report.skipped})) or (
+            "it has no torch.nn.Dropout"
+        )
+        warnings.warn(f"dropout.convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+    return converted
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# What convert cannot reach
+
+
+def _dropout_call(name: str, args: tuple, kwargs: dict) -> bool:
+    """A call of a dropout function with ``p > 0`` (torch.dropout takes p second, F.dropout's default is 0.5)."""
+    if name not in FUNCTIONAL_NAMES:
+        return False
+    p = kwargs.get("p", args[1] if len(args) > 1 else 0.5)
+    return isinstance(p, int | float) and p > 0
+
+
+def _sees_itself(module: torch.nn.Module) -> bool:
+    """Calls inside a dropout module (convert saw it: replaced or left with its reason) or a module of this runtime
+    are not unseen."""
+    return isinstance(module, torch.nn.modules.dropout._DropoutNd) or type(module).__module__.startswith(
+        "fewbit_design."
+    )
+
+
+def functional_calls(model: torch.nn.Module, probe: Any, options: Any = None) -> list[tuple[str, str, str, int]]:
+    """``(module name, module class, function, calls)`` of every dropout function called with ``p > 0`` in forward
+    code on one run of ``probe`` (no gradients; no side effects): dropout that keeps its native mask.
+
+    Args:
+        model: the model
+        probe: example inputs of one step
+        options: the technique's options (unused)
+    """
+    from ..fewbit.unseen import functional_calls as calls_in_forward
+
+    return calls_in_forward(model, probe, wanted=_dropout_call, sees_itself=_sees_itself)
