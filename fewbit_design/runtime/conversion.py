@@ -394,13 +394,13 @@ def _probe(model: torch.nn.Module, example_inputs: Any, result: ConvertReport) -
     if example_inputs is not None:
         result.probe = "example_inputs"
         with example_errors():
-            return example_inputs, step_bytes(model, example_inputs)
+            return example_inputs, _training_step_bytes(model, example_inputs)
     probe, result.probe = huggingface_probe(model)
     if probe is None:
         return None, None
     try:
         with example_errors():
-            return probe, step_bytes(model, probe)
+            return probe, _training_step_bytes(model, probe)
     except FewBitError as error:
         result.probe = f"none (the probe built from the config failed to run: {error}): not measured"
         return None, None
@@ -436,6 +436,19 @@ def _convert(
     return current, result, warned
 
 
+def _training_step_bytes(model: torch.nn.Module, probe: Any) -> int:
+    """Bytes saved by one training step on the probe, the model in training mode for it whatever its mode (a model
+    from ``from_pretrained`` is in eval mode, where dropout draws nothing and would seem to save nothing), each
+    module's mode put back after."""
+    modes = [(module, module.training) for module in model.modules()]
+    model.train()
+    try:
+        return step_bytes(model, probe)
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _apply(
     model: torch.nn.Module, entry: _Entry, item: TechniqueReport, probe: Any, before: int | None
 ) -> tuple[torch.nn.Module, int | None, list[str]]:
@@ -457,7 +470,7 @@ def _apply(
     if before is None:
         return changed, before, messages
     with example_errors():
-        after = step_bytes(changed, probe)
+        after = _training_step_bytes(changed, probe)
     item.before, item.after = before, after
     if after < before:
         return changed, after, messages

@@ -80,8 +80,9 @@ def slots(
 
 
 def swap(model: torch.nn.Module, found: list[Slot], replacements: Mapping[int, torch.nn.Module]) -> torch.nn.Module:
-    """Put ``replacements[id(slot.module)]`` at every place of each slot of ``found`` that has one; return the model,
-    or the replacement of the model itself (its root slot). All or nothing: an error puts back what was swapped.
+    """Put ``replacements[id(slot.module)]`` at every place of each slot of ``found`` that has one, in the training
+    mode of the module it replaces; return the model, or the replacement of the model itself (its root slot). All or
+    nothing: an error puts back what was swapped.
 
     Args:
         model: the model the slots were listed from
@@ -95,6 +96,7 @@ def swap(model: torch.nn.Module, found: list[Slot], replacements: Mapping[int, t
             replacement = replacements.get(id(slot.module))
             if replacement is None:
                 continue
+            replacement.train(slot.module.training)  # a replacement runs in the mode of the module it replaces
             if slot.root:
                 result = replacement
             for parent, attribute in slot.unique_places():

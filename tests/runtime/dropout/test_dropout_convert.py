@@ -200,3 +200,14 @@ def test_plan_memory_chooses_it_and_its_plan_file_round_trips(tmp_path):
     plan.save(path)
     model = runtime.load_plan(path).apply(chain())
     assert [type(block[2]) is CompactDropout for block in model] == [c == "dropout" for c in plan.choices]
+
+
+def test_a_model_in_eval_mode_is_measured_as_it_trains_and_keeps_its_mode():
+    """from_pretrained gives a model in eval mode, where dropout draws nothing: convert measures one *training*
+    step, so the dropout technique is kept (it was undone: 'saves nothing'), and every module's mode is put back."""
+    model, _ = build("gpt2", dropout=0.1)
+    model.eval()
+    converted = runtime.convert(model, activations=False)
+    entry = converted.convert_report.technique("dropout")
+    assert entry.status == "applied" and entry.after < entry.before, str(entry)
+    assert not any(module.training for module in converted.modules())
