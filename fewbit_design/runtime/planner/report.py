@@ -60,6 +60,22 @@ def rows(plan: MemoryPlan) -> list[dict[str, Any]]:
     return table
 
 
+def _measured_lines(plan: MemoryPlan) -> list[str]:
+    """The report's lines of what :meth:`~.plan.MemoryPlan.measure` found."""
+    peak = plan.measured["peak_bytes"]
+    rss = plan.measured.get("rss_peak_bytes")
+    allocated = format_bytes(max(peak - plan.baseline_bytes, 0))
+    return [
+        f"measured peak {format_bytes(peak)} ({peak / plan.predicted_peak_bytes:.3f}x predicted), "
+        f"measured step time {plan.measured['step_seconds'] * 1e3:.1f} ms",
+        f"process RSS over the measured step: peak +{format_bytes(rss)} above its start, beside {allocated} "
+        "of live tensor bytes at the peak (they differ by allocator caching and non-tensor memory: see "
+        "fewbit_design.runtime.memory)"
+        if rss is not None
+        else "process RSS: not measurable here (needs Linux /proc/self/clear_refs)",
+    ]
+
+
 def report(plan: MemoryPlan, file: Any = None) -> str:
     """The plan as a table (printed to ``file`` when given) and returned as text.
 
@@ -97,20 +113,7 @@ def report(plan: MemoryPlan, file: Any = None) -> str:
         f"(unconverted {plan.step_seconds * 1e3:.1f} ms measured, {plan.predicted_extra_seconds * 1e3:+.1f} ms)"
     )
     if measured:
-        peak = plan.measured["peak_bytes"]
-        lines.append(
-            f"measured peak {format_bytes(peak)} ({peak / plan.predicted_peak_bytes:.3f}x predicted), "
-            f"measured step time {plan.measured['step_seconds'] * 1e3:.1f} ms"
-        )
-        rss = plan.measured.get("rss_peak_bytes")
-        allocated = format_bytes(max(peak - plan.baseline_bytes, 0))
-        lines.append(
-            f"process RSS over the measured step: peak +{format_bytes(rss)} above its start, beside {allocated} "
-            "of live tensor bytes at the peak (they differ by allocator caching and non-tensor memory: see "
-            "fewbit_design.runtime.memory)"
-            if rss is not None
-            else "process RSS: not measurable here (needs Linux /proc/self/clear_refs)"
-        )
+        lines += _measured_lines(plan)
     approximate = plan.approximate_blocks()
     needed = plan.settings.get("approximate", APPROXIMATE_DEFAULT) == "if-needed"
     reason = ""
