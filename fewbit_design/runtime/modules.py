@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Slot", "slots", "swap", "snapshot", "restore", "remember", "ORIGINAL"]
+__all__ = ["Slot", "slots", "swap", "snapshot", "restore", "remember", "ORIGINAL", "class_path", "has_hooks"]
 
 #: the attribute of a converted model holding (its original root, the snapshot taken before its first conversion)
 ORIGINAL = "_fewbit_original"
@@ -141,3 +141,23 @@ def remember(model: torch.nn.Module) -> None:
     """
     if ORIGINAL not in model.__dict__:
         model.__dict__[ORIGINAL] = (model, snapshot(model))
+
+
+def class_path(cls: type) -> str:
+    """``module.QualifiedName`` of a class, as reports name what they replaced or left.
+
+    Args:
+        cls: the class
+    """
+    return f"{cls.__module__}.{cls.__qualname__}"
+
+
+def has_hooks(module: torch.nn.Module) -> bool:
+    """Whether ``module`` has hooks of its own (a replacement would drop them, so converters leave such modules).
+
+    Args:
+        module: the module
+    """
+    return bool(
+        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
+    )

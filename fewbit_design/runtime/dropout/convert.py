@@ -30,6 +30,8 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
+from ..modules import class_path as _class_path
+from ..modules import has_hooks as _has_hooks
 from ..modules import slots, swap
 from .nn import CompactDropout
 from .ops import MODES
@@ -93,16 +95,6 @@ class DropoutReport:
         if self.already:
             lines.append(f"  {self.already} module(s) were CompactDropout already")
         return "\n".join(lines)
-
-
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
 
 
 def _candidate(module: torch.nn.Module, mode: str) -> CompactDropout | str | None:

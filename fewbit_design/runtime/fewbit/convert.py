@@ -49,12 +49,12 @@ from ...errors import FewBitError, check_boolean, check_choice, check_integer, c
 from ...table import MODES, Table
 from .. import memory
 from ..modules import Slot, swap
+from ..modules import class_path as _class_path
 from ..probe import example_errors, forward_bytes, no_side_effects, run_example
 from .lookup import WEIGHTS, TableLike, as_table, resolve_table
 from .matching import (
     ECOSYSTEM,
     _Candidate,
-    _class_path,
     _output_saved_by_neighbour,
     _recognise,
     _saves_only_output,

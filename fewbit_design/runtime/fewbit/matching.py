@@ -65,10 +65,6 @@ _TORCH_UNSUPPORTED = {
 }
 
 
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _ecosystem_entry(module: torch.nn.Module):
     """ECOSYSTEM's entry for the module's exact class, ``KeyError`` when it is not an ecosystem class."""
     cls = type(module)
@@ -188,4 +184,3 @@ def _slots(model: torch.nn.Module, *, root: bool = False) -> list[Slot]:
 
 def _descend(module: torch.nn.Module) -> bool:
     return not isinstance(module, FewBitModule) and not owns_activation(module)
-

@@ -46,7 +46,10 @@ from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
 from ..linear.quant import GROUP_SIZE, check_options
+from ..modules import class_path as _class_path
+from ..modules import has_hooks as _has_hooks
 from ..modules import slots, swap
+from ..probe import real_stand_in
 from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
 __all__ = ["convert", "GatedReport", "PROBE_TOLERANCE", "ACTIVATION_ATTRIBUTES"]
@@ -127,10 +130,6 @@ class GatedReport:
         return "\n".join(lines)
 
 
-def _class_path(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
-
-
 def _layout(module: torch.nn.Module) -> Layout | None:
     children = module._modules
     for layout in LAYOUTS:
@@ -138,12 +137,6 @@ def _layout(module: torch.nn.Module) -> Layout | None:
         if all(children.get(name) is not None for name in wanted):
             return layout
     return None
-
-
-def _has_hooks(module: torch.nn.Module) -> bool:
-    return bool(
-        module._forward_hooks or module._forward_pre_hooks or module._backward_hooks or module._backward_pre_hooks
-    )
 
 
 def _extra_forward_parameters(module: torch.nn.Module) -> list[str]:
@@ -270,7 +263,8 @@ def _candidate(module: torch.nn.Module, options: dict) -> GatedMLP | str | None:
     children = {name: child for name, child in module._modules.items() if child is not None}
     replacement = GatedMLP(children, layout, op_activation, original=_class_path(type(module)), **options)
     replacement.train(module.training)
-    return _agrees(module, replacement, layout) or replacement
+    with real_stand_in(module, replacement) as (probed, probed_replacement):  # fake weights: real random ones
+        return _agrees(probed, probed_replacement, layout) or replacement
 
 
 def convert(
