@@ -6,9 +6,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...errors import check_choice
+from ...errors import FewBitError, check_choice
 from .._torchscript import NotScriptable
 from ..linear.quant import GROUP_SIZE, check_options
+from ..modules import class_path
 from .compressed import gated_mlp_compressed
 from .ops import ACTIVATIONS, gated_mlp
 
@@ -91,6 +92,7 @@ class GatedMLP(NotScriptable, torch.nn.Module):
         gate = getattr(self, self.layout.gate)
         up = getattr(self, self.layout.up) if self.layout.up is not None else None
         down = getattr(self, self.layout.down)
+        _check_plain(self.layout, gate, up, down)
         arguments = (
             x,
             gate.weight,
@@ -113,3 +115,15 @@ class GatedMLP(NotScriptable, torch.nn.Module):
             f"activation={self.activation!r}{fused}, mode='compressed', bits={self.bits}, group_size="
             f"{self.group_size}, rounding={self.rounding!r}"
         )
+
+
+def _check_plain(layout: Layout, *linears: torch.nn.Module | None) -> None:
+    """The op computes with the linears' weights itself: a child replaced since conversion (a PEFT adapter layer,
+    whose ``weight`` is its base layer's) would be bypassed, its adapters without output or gradient."""
+    for name, linear in zip(layout, linears, strict=True):
+        if linear is not None and type(linear) is not torch.nn.Linear:
+            raise FewBitError(
+                f"GatedMLP: {name!r} is now {class_path(type(linear))}, not the torch.nn.Linear it was converted "
+                "with (an adapter added after runtime.convert?); the gated-MLP op computes with its weight and would "
+                "bypass it: convert after peft.get_peft_model, or runtime.unconvert the model before adding adapters"
+            )

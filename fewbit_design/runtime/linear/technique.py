@@ -1,8 +1,9 @@
 """Compressed linear inputs as the runtime sees it: every ``nn.Linear`` / ``Conv1D`` keeps its input for the weight
 gradient as K-bit group codes (approximate weight gradients; forward and input gradients exact). Plan setting:
 ``linear_bits`` (default 8). ``runtime.convert`` runs it under ``compress=K`` only, and leaves alone the linears
-whose module runs them itself (the gated-MLP op) and those whose input another module keeps anyway (measured on
-the probe: compressing them would add codes and free nothing)."""
+whose module runs them itself (the gated-MLP op), those whose weight is frozen (a LoRA base layer: nothing of its
+input is kept for it) and those whose input another module keeps anyway (measured on the probe: compressing them
+would add codes and free nothing)."""
 
 from __future__ import annotations
 
@@ -21,6 +22,11 @@ from .quant import GROUP_SIZE
 SHARED_INPUT_REASON = (
     "measured on the probe: its input is saved for backward by another module too (a memory-sharing norm keeps its "
     "output): its codes would add bytes and free none"
+)
+
+FROZEN_WEIGHT_REASON = (
+    "its weight does not require grad (frozen, as a LoRA base layer is): backward needs none of its input, and the "
+    "native layer keeps none"
 )
 
 
@@ -51,12 +57,27 @@ def _convert(model: torch.nn.Module, options: LinearOptions, probe: Any) -> torc
     # the linears of a module that runs them itself (the gated-MLP op reads their weights): compressing them would
     # change nothing
     owned = {id(child) for module in model.modules() if _runs_its_linears(module) for child in module.children()}
+    frozen = _frozen(model, owned)
     shared = _shared_inputs(model, probe) if probe is not None else {}
-    converted = convert(model, **kw, filter=lambda _, module: id(module) not in owned and id(module) not in shared)
-    converted.linear_report.skipped.extend(
-        (name, type(module).__name__, SHARED_INPUT_REASON) for name, module in shared.values()
-    )
+    shared = {key: value for key, value in shared.items() if key not in frozen}  # the frozen: their own reason
+    left = owned | frozen.keys() | shared.keys()
+    converted = convert(model, **kw, filter=lambda _, module: id(module) not in left)
+    for reason, layers in ((FROZEN_WEIGHT_REASON, frozen), (SHARED_INPUT_REASON, shared)):
+        converted.linear_report.skipped.extend(
+            (name, type(module).__name__, reason) for name, module in layers.values()
+        )
     return converted
+
+
+def _frozen(model: torch.nn.Module, owned: set[int]) -> dict[int, tuple[str, torch.nn.Module]]:
+    """The layers :func:`.convert.convert` would compress (``nn.Linear``, ``Conv1D``; by id: (name, module)) whose
+    weight does not require grad: their op would keep nothing (:func:`.ops.compressed_linear`), so they stay native."""
+    conv1d = getattr(sys.modules.get("transformers.pytorch_utils"), "Conv1D", None)
+    return {
+        id(module): (name, module)
+        for name, module in _linears(model).items()
+        if type(module) in (torch.nn.Linear, conv1d) and id(module) not in owned and not module.weight.requires_grad
+    }
 
 
 def _runs_its_linears(module: torch.nn.Module) -> bool:
