@@ -28,7 +28,7 @@ from ..modules import slots, swap
 from .nn import CompressedConv1D, CompressedLinear, compress_module
 from .quant import GROUP_SIZE, check_options
 
-__all__ = ["convert", "LinearReport"]
+__all__ = ["convert", "LinearReport", "owned_linears"]
 
 
 @dataclass
@@ -67,6 +67,18 @@ class LinearReport:
         return "\n".join(lines)
 
 
+def owned_linears(model: torch.nn.Module) -> set[int]:
+    """The ids of the children of modules that compute with their children's weights themselves (class attribute
+    ``owns_linears``, the gated-MLP op): a compressed class there would never run, and the op refuses children that
+    are not the plain linears it was built with."""
+    return {
+        id(child)
+        for module in model.modules()
+        if getattr(type(module), "owns_linears", False)
+        for child in module.children()
+    }
+
+
 def _conv1d_class() -> type | None:
     utils = sys.modules.get("transformers.pytorch_utils")
     return getattr(utils, "Conv1D", None) if utils is not None else None
@@ -99,6 +111,7 @@ def convert(
     report = LinearReport(bits, group_size, rounding)
     targets = {torch.nn.Linear: CompressedLinear, _conv1d_class(): CompressedConv1D}
     found = slots(model)
+    owned = owned_linears(model)
     replacements: dict[int, torch.nn.Module] = {}
     for slot in found:
         module, name = slot.module, slot.names[0]
@@ -106,6 +119,8 @@ def convert(
         target = targets.get(kind)
         if isinstance(module, CompressedLinear | CompressedConv1D):
             report.already += 1
+        elif id(module) in owned:  # another technique's (its op computes with the weight): not this one's to list
+            continue
         elif target is None and isinstance(module, torch.nn.Linear):
             report.skipped.append((name, kind.__name__, "a subclass of nn.Linear: its forward may differ"))
         elif target is not None and (filter is None or filter(name, module)):

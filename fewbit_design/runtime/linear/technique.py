@@ -51,16 +51,15 @@ class LinearOptions:
 
 
 def _convert(model: torch.nn.Module, options: LinearOptions, probe: Any) -> torch.nn.Module:
-    from .convert import convert
+    from .convert import convert, owned_linears
 
     kw = dict(bits=options.bits, group_size=options.group_size, rounding=options.rounding)
-    # the linears of a module that runs them itself (the gated-MLP op reads their weights): compressing them would
-    # change nothing
-    owned = {id(child) for module in model.modules() if _runs_its_linears(module) for child in module.children()}
+    owned = owned_linears(model)  # left alone by convert with their reason
     frozen = _frozen(model, owned)
     shared = _shared_inputs(model, probe) if probe is not None else {}
-    shared = {key: value for key, value in shared.items() if key not in frozen}  # the frozen: their own reason
-    left = owned | frozen.keys() | shared.keys()
+    # the frozen and the owned: their own reasons
+    shared = {key: value for key, value in shared.items() if key not in frozen and key not in owned}
+    left = frozen.keys() | shared.keys()
     converted = convert(model, **kw, filter=lambda _, module: id(module) not in left)
     for reason, layers in ((FROZEN_WEIGHT_REASON, frozen), (SHARED_INPUT_REASON, shared)):
         converted.linear_report.skipped.extend(
@@ -78,11 +77,6 @@ def _frozen(model: torch.nn.Module, owned: set[int]) -> dict[int, tuple[str, tor
         for name, module in _linears(model).items()
         if type(module) in (torch.nn.Linear, conv1d) and id(module) not in owned and not module.weight.requires_grad
     }
-
-
-def _runs_its_linears(module: torch.nn.Module) -> bool:
-    """Whether ``module`` computes with its children's weights itself (class attribute ``owns_linears``)."""
-    return bool(getattr(type(module), "owns_linears", False))
 
 
 def _linears(model: torch.nn.Module) -> dict[str, torch.nn.Module]:

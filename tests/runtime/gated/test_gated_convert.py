@@ -240,3 +240,19 @@ def test_forward_without_grad_is_the_training_forward():
     training = model(x.requires_grad_())
     assert training.requires_grad and not inference.requires_grad
     torch.testing.assert_close(inference, training.detach(), rtol=0, atol=0)
+
+
+def test_linear_convert_after_gated_convert_leaves_the_op_s_linears_alone():
+    """The gated-MLP op computes with its projections' weights itself: compressing them afterwards (by hand, as
+    ``gated.convert`` then ``linear.convert``) leaves them plain and unlisted, compresses the rest, and trains."""
+    from fewbit_design.runtime import linear
+
+    model = model_of(Gated(), torch.nn.Linear(8, 8))
+    convert(model, mode="compressed", bits=8)
+    linear.convert(model, bits=8)
+    projections = [model[0].get_submodule(name) for name in ("gate_proj", "up_proj", "down_proj")]
+    assert [type(projection) for projection in projections] == [torch.nn.Linear] * 3
+    assert type(model[1]).__name__ == "CompressedLinear"
+    assert model.linear_report.skipped == [] and len(model.linear_report.replaced) == 1
+    model(torch.randn(3, 8)).sum().backward()
+    assert model[0].gate_proj.weight.grad is not None
