@@ -1,4 +1,6 @@
-"""``fewbit-design memory MODULE:FACTORY``: plan which memory technique runs where under a budget.
+"""``fewbit-design memory MODULE:FACTORY``: plan which memory technique runs where under a budget; ``fewbit-design
+memory --hf-config FILE.json --seq N``: what each way of training a Hugging Face model needs on a device one may
+not have (:func:`fewbit_design.runtime.estimate.estimate`: bytes measured under fake mode, times predicted).
 
 ``FACTORY()`` builds the model (``MODULE`` is imported with the current directory first on ``sys.path``, like
 ``--activation-module``); ``--input-shape`` gives the example batch (random normal floats, or token ids below
@@ -32,6 +34,7 @@ __all__ = [
     "parse_shape",
     "example_inputs",
     "check_model_runs",
+    "estimate_figure_bytes",
 ]
 
 #: Largest size of a tensor dimension and of a whole example input, in elements (torch counts them in int64).
@@ -154,6 +157,14 @@ def _raised(error: BaseException) -> str:
     return f"raised {_first_line(error)}"
 
 
+def _given(context: click.Context, option: str) -> bool:
+    """Whether ``option`` was given on the command line (not left at its default)."""
+    name = option.lstrip("-").replace("-", "_")
+    name = {"input_shape": "shapes", "save": "save_path"}.get(name, name)
+    source = context.get_parameter_source(name)
+    return source is not None and source != click.core.ParameterSource.DEFAULT
+
+
 def _allow(values: tuple[str, ...]) -> tuple[str, ...]:
     from ..runtime.registry import names
 
@@ -266,14 +277,87 @@ def plan_figure_bytes(plan: Any, path: str | os.PathLike) -> bytes:
         plt.close(figure)
 
 
+def estimate_figure_bytes(result: Any, path: str | os.PathLike) -> bytes:
+    """A bar chart of ``result``'s variants (:class:`fewbit_design.runtime.estimate.Estimate`): bytes kept for
+    backward per token per layer (measured), and each step's peak against the device's memory (measured), in the
+    format of ``path``."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure_format(path, option="--plot")
+    names = [item.name for item in result.variants]
+    figure, (kept, peaks) = plt.subplots(1, 2, figsize=(12, 4.5))
+    kept.bar(names, [item.bytes_per_token_per_layer / 1024 for item in result.variants], color="tab:blue")
+    kept.set_ylabel("KiB per token per layer (measured)")
+    kept.set_title(f"{result.model}: kept for backward")
+    colours = ["tab:green" if item.fits else "tab:red" for item in result.variants]
+    peaks.bar(names, [item.peak_bytes / 1e9 for item in result.variants], color=colours)
+    peaks.axhline(result.device.memory_bytes / 1e9, color="black", linestyle="--", linewidth=1,
+                  label=f"{result.device.name}: {result.device.memory_bytes / 1e9:.0f} GB")  # fmt: skip
+    peaks.set_ylabel("GB at the step's peak (measured)")
+    ranks = f", FSDP x{result.gpus}" if result.fsdp else ""
+    peaks.set_title(f"batch {result.batch} x {result.sequence} tokens, {result.dtype}{ranks}")
+    peaks.legend(fontsize=8)
+    for axis in (kept, peaks):
+        axis.tick_params(axis="x", labelrotation=30, labelsize=8)
+    figure.tight_layout()
+    try:
+        return figure_bytes(figure, path)
+    finally:
+        plt.close(figure)
+
+
+def _estimate_command(
+    config_path: str, seq: int | None, batch: int, dtype: str, device: str, gpus: int, fsdp: bool, master: bool,
+    json_path: str | None, plot_path: str | None, force: bool,
+) -> None:  # fmt: skip
+    """``memory --hf-config``: check everything, estimate, print the table, write the files (all or nothing)."""
+    from ..runtime import devices, estimate
+
+    if gpus < 1:
+        raise FewBitError(f"--gpus must be a positive number of GPUs, got {gpus}")
+    if batch < 1:
+        raise FewBitError(f"--batch must be a positive number of sequences, got {batch}")
+    if fsdp and gpus == 1:
+        raise FewBitError("--fsdp shards over --gpus N: give --gpus 2 or more")
+    if plot_path is not None:
+        figure_format(plot_path, option="--plot")
+    check_outputs({"--json": json_path, "--plot": plot_path}, force=force)
+    target = devices.device(device)
+    config = estimate.load_config(config_path)
+    if seq is None:
+        seq = estimate.sequence_limit(config) if config.model_type == "vit" else None
+        if seq is None:
+            raise FewBitError("--hf-config needs --seq, the tokens per sequence")
+    if seq < 1:
+        raise FewBitError(f"--seq must be a positive number of tokens, got {seq}")
+    result = estimate.estimate(
+        config, batch=batch, sequence=seq, device=target, dtype=dtype, gpus=gpus, fsdp=fsdp, master_weights=master
+    )
+    click.echo(result.report())
+    files = {}
+    if json_path is not None:
+        files[json_path] = result.to_json().encode()
+    if plot_path is not None:
+        files[plot_path] = estimate_figure_bytes(result, plot_path)
+    write_files_atomic(files, force=force)
+    for option, path in (("rows", json_path), ("figure", plot_path)):
+        if path is not None:
+            click.echo(f"{option} written to {path}")
+
+
+_FACTORY_ONLY = ("--input-shape", "--vocab", "--budget", "--allow", "--chain", "--measure", "--save")
+
+
 @cli.command("memory")
-@click.argument("factory", metavar="MODULE:FACTORY")
+@click.argument("factory", metavar="MODULE:FACTORY", required=False)
 @click.option(
     "--input-shape",
     "shapes",
     multiple=True,
-    required=True,
-    help="Example batch shape, like 8,3,224,224 (repeat for more inputs).",
+    help="Example batch shape, like 8,3,224,224 (repeat for more inputs; with MODULE:FACTORY).",
 )
 @click.option("--vocab", type=int, default=None, help="Integer token ids in [0, VOCAB) instead of random floats.")
 @click.option(
@@ -302,10 +386,49 @@ def plan_figure_bytes(plan: Any, path: str | os.PathLike) -> bytes:
 @click.option("--plot", "plot_path", default=None, help="Write the figure (.png, .pdf, .svg, .jpg).")
 @click.option("--save", "save_path", default=None, help="Write the plan as JSON.")
 @click.option("--force", is_flag=True, help="Overwrite existing output files.")
+@click.option(
+    "--hf-config",
+    "hf_config",
+    default=None,
+    help="Instead of MODULE:FACTORY: a Hugging Face config.json (or a shipped one: llama-3-8b, llama-3-70b, "
+    "mistral-7b, qwen2.5-7b, gpt2-xl, bert-large, vit-l-16); estimates every way of training it without allocating it.",
+)
+@click.option("--seq", type=int, default=None, help="With --hf-config: tokens per sequence.")
+@click.option("--batch", type=int, default=1, show_default=True, help="With --hf-config: sequences per step (per GPU).")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
+@click.option(
+    "--device",
+    default="h100-80gb",
+    show_default=True,
+    help="With --hf-config: h100-80gb, h200, a100-80gb, l4, rtx-4090, or cpu (this machine, measured).",
+)
+@click.option("--gpus", type=int, default=1, show_default=True, help="With --hf-config: GPUs (data parallel).")
+@click.option("--fsdp", is_flag=True, help="With --hf-config: shard parameters, gradients and optimizer over --gpus.")
+@click.option(
+    "--master-weights/--no-master-weights",
+    default=True,
+    show_default=True,
+    help="With --hf-config: float32 master weights for 16-bit parameters.",
+)
+@click.option("--json", "json_path", default=None, help="With --hf-config: write the rows as JSON.")
+@click.pass_context
 def memory(
-    factory, shapes, vocab, budget, allow, bits, objective, approximate, chain, measure, plot_path, save_path, force
-):
-    """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget."""
+    context, factory, shapes, vocab, budget, allow, bits, objective, approximate, chain, measure, plot_path, save_path,
+    force, hf_config, seq, batch, dtype, device, gpus, fsdp, master_weights, json_path,
+):  # fmt: skip
+    """Plan few-bit, BLPA, checkpointing and offloading for the model FACTORY() builds, under a budget; or, with
+    --hf-config, estimate each way of training a Hugging Face model on a device (bytes measured, times predicted)."""
+    if hf_config is not None:
+        given = [name for name in _FACTORY_ONLY if _given(context, name)]
+        if factory is not None or given:
+            what = f"MODULE:FACTORY ({factory})" if factory is not None else given[0]
+            raise FewBitError(f"--hf-config estimates a config; {what} belongs to the MODULE:FACTORY form")
+        _estimate_command(hf_config, seq, batch, dtype, device, gpus, fsdp, master_weights, json_path, plot_path, force)
+        return
+    if factory is None:
+        raise FewBitError("memory takes MODULE:FACTORY (with --input-shape) or --hf-config FILE.json")
+    if not shapes:
+        raise FewBitError("MODULE:FACTORY needs --input-shape, the example batch's shape")
     input_shapes = [parse_shape(s) for s in shapes]
     allowed = _allow(allow)
     budget_value = None if budget is None else parse_budget(budget, name="--budget")  # the planner's own syntax

@@ -176,7 +176,7 @@ def run_block(
         hidden = first_tensor(output)
         forward_peak, after_forward = p.peak_bytes, p.live_bytes
         output_bytes = storage_bytes(hidden)
-        new_output = hidden.untyped_storage().data_ptr() != inp.untyped_storage().data_ptr()
+        new_output = memory.storage_key(hidden) != memory.storage_key(inp)  # (fake tensors have no address)
         # kept in memory for backward (a region such as offload keeps what is under its size threshold)
         saves_input, saves_output = saved.keeps(inp), saved.keeps(hidden)
         result = hidden.detach() if seed == "ones" else None  # "owned": the output lives only if the block saved it

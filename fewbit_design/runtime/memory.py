@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
@@ -62,8 +63,11 @@ __all__ = ["Peak", "SavedBytes", "count_storage", "peak", "saved_bytes", "storag
 
 
 def storage_key(tensor: torch.Tensor) -> tuple[str, int]:
-    """An identifier of the storage behind ``tensor`` (device and base address)."""
+    """An identifier of the storage behind ``tensor`` while it is alive (device and base address; for a fake tensor,
+    which has no address, the storage object's identity)."""
     storage = tensor.untyped_storage()
+    if is_fake(tensor):
+        return (f"fake {tensor.device}", id(storage))
     return (str(tensor.device), storage.data_ptr())
 
 

@@ -33,8 +33,8 @@ import torch
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 from ...errors import FewBitError
+from ..fingerprint import check_fingerprint
 from .cost import Segment
-from .fingerprint import check_fingerprint
 from .plan import Plan
 from .plan import plan as plan_segments
 from .profile import profile as profile_blocks

@@ -39,9 +39,9 @@ from ...errors import (
     resolve_budget,
     show,
 )
+from ..fingerprint import BlockFingerprint, check_fingerprint_value, fingerprint_from_json
 from ..planfile import PlanFile
 from .cost import Segment, check_segments, predict
-from .fingerprint import BlockFingerprint, check_fingerprint_value, fingerprint_from_json
 from .profile import Profile
 
 __all__ = ["Plan", "STRATEGIES", "FORMAT", "parse_budget", "plan", "format_bytes", "minimum_budget", "load_plan"]

@@ -26,7 +26,7 @@ from torch.utils.checkpoint import checkpoint as torch_checkpoint
 from ...errors import FewBitError
 from .. import memory
 from ..blockrun import run_block, synchronize, training_state_kept
-from .fingerprint import BlockFingerprint, fingerprint, fingerprint_from_json
+from ..fingerprint import BlockFingerprint, fingerprint, fingerprint_from_json
 
 __all__ = ["BlockProfile", "Profile", "profile", "training_state_kept"]
 

@@ -33,6 +33,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ...table import Table
 from .._packing import pack_reference, packed_nbytes, unpack_reference
+from ..memory import count_storage
 from ._cpu_tables import BRANCHLESS_SPLITS, MULTI, build_lut16, build_lut32, codes_plan, direct_lut32
 from ._inputs import BACKEND_ENV, SUPPORTED_DTYPES, check_input, check_packed, flat_contiguous, nonfinite_positions
 from .lookup import check_kernel_table
@@ -213,8 +214,14 @@ _NUMPY_DTYPES = (torch.float32, torch.float64, torch.uint8)
 def _empty_cpu(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised contiguous CPU tensor; large ones live in numpy memory (huge pages, see above)."""
     if numel * dtype.itemsize >= _NUMPY_ALLOCATION_BYTES and dtype in _NUMPY_DTYPES:
-        return torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype))
+        return _counted(torch.from_numpy(np.empty(numel, dtype=torch.empty((), dtype=dtype).numpy().dtype)))
     return torch.empty(numel, dtype=dtype)
+
+
+def _counted(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``, made over numpy memory (no operator returned it), counted by the open ``memory.peak`` blocks."""
+    count_storage(tensor)
+    return tensor
 
 
 def _codes_kernel(
@@ -354,7 +361,8 @@ def _forward_two_passes(
     if bits == 8:
         out_np[numel:] = 0
     record = nonfinite_positions(detached.reshape(-1), 0) if nonfinite else None
-    return native(x), torch.from_numpy(out_np), record
+    packed = _counted(torch.from_numpy(out_np))  # (counted now: the codes are alive while native(x) runs)
+    return native(x), packed, record
 
 
 def fused_relu(function: Callable) -> Callable:

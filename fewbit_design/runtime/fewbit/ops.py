@@ -40,6 +40,7 @@ import math
 from collections.abc import Callable
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import FewBitError
 from .backends import (
@@ -240,6 +241,11 @@ class _FewBitFunction(torch.autograd.Function):
             flag = _maybe_nonfinite(x.detach()) if x.numel() else torch.zeros((), dtype=torch.bool, device=x.device)
             positions, values = flag, None
             y = native(x)
+        elif is_fake(x):  # FakeTensorMode: the codes' shape from the op's fake kernel; no values, so no non-finite
+            # record (what an eager run saves for a finite input: nothing beside the codes)
+            packed = torch.ops.fewbit.quantize(x, boundaries, interval_codes, bits)
+            positions, values = None, None
+            y = native(x)
         elif (backend := backend_for(x.device)) == "numba":
             # codes and y in one pass over x (blocks in cache), the non-finite count from the same loads
             y, packed, record = forward_numba(x, native, boundaries, interval_codes, bits)
@@ -277,7 +283,7 @@ class _FewBitFunction(torch.autograd.Function):
             return None, None, None, None, None, None, None
         packed, levels32, levels64, positions, values = ctx.saved_tensors
         levels = levels64 if grad.dtype == torch.float64 else levels32
-        if torch.compiler.is_compiling():
+        if torch.compiler.is_compiling() or is_fake(grad):
             grad_input = torch.ops.fewbit.scale(grad, packed, levels, ctx.bits)
         elif _functorch_wrapped(grad):  # batched or wrapped by torch.func: pure torch ops, bitwise the kernels'
             grad_input = scale_reference(grad, packed, levels, ctx.bits)

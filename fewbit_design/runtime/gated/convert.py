@@ -49,7 +49,7 @@ from ..linear.quant import GROUP_SIZE, check_options
 from ..modules import class_path as _class_path
 from ..modules import has_hooks as _has_hooks
 from ..modules import slots, swap
-from ..probe import real_stand_in
+from ..probe import on_stand_in
 from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
 __all__ = ["convert", "GatedReport", "PROBE_TOLERANCE", "ACTIVATION_ATTRIBUTES"]
@@ -263,8 +263,8 @@ def _candidate(module: torch.nn.Module, options: dict) -> GatedMLP | str | None:
     children = {name: child for name, child in module._modules.items() if child is not None}
     replacement = GatedMLP(children, layout, op_activation, original=_class_path(type(module)), **options)
     replacement.train(module.training)
-    with real_stand_in(module, replacement) as (probed, probed_replacement):  # fake weights: real random ones
-        return _agrees(probed, probed_replacement, layout) or replacement
+    # fake weights: the probe runs on real copies (random weights), once per structure
+    return on_stand_in(lambda *probed: _agrees(*probed, layout), module, replacement, key=(layout,)) or replacement
 
 
 def convert(

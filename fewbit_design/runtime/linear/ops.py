@@ -31,6 +31,7 @@ import weakref
 from typing import Any
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from .._eager import eager_twin, tracing
 from .quant import GROUP_SIZE, check_options, dequantize_codes, quantize_codes
@@ -117,6 +118,8 @@ class _SharedCodes:
 
     @staticmethod
     def _key(x: torch.Tensor, options: tuple) -> tuple:
+        if is_fake(x):  # no address: the storage object (alive while the entry's owner is) and the offset in it
+            return (id(x.untyped_storage()), x.storage_offset(), x.stride(), options)
         return (x.data_ptr(), x.stride(), options)
 
     def get(self, x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,6 +40,7 @@ import torch
 
 from ...errors import FewBitError, check_bits, check_positive
 from ..modules import slots, swap
+from ..probe import on_stand_in
 from .nn import MemorySharingNorm
 from .ops import DEFAULT_THRESHOLD
 
@@ -136,18 +137,24 @@ def _agree(native: torch.Tensor, ours: torch.Tensor) -> bool:
     return torch.allclose(native, ours, rtol=ulp, atol=ulp * scale)
 
 
-def _probe(module: torch.nn.Module, build: Builder) -> str | None:
-    """None when the replacement built by ``build`` agrees with ``module`` on the probe; else what differed."""
-    generator = torch.Generator().manual_seed(0)
-    device = next(module.parameters(), torch.empty(0)).device
-    dtype = next(module.parameters(), torch.empty(0)).dtype
-    for parameter_dtype, input_dtype in _settings(dtype):
-        with warnings.catch_warnings():  # torch warns about the mixed-dtype combinations it then runs unfused
-            warnings.simplefilter("ignore", UserWarning)
-            failure = _probe_one(module, build, parameter_dtype, input_dtype, generator, device)
-        if failure is not None:
-            return failure
-    return None
+def _probe(module: torch.nn.Module, build: Builder, kind: str) -> str | None:
+    """None when the replacement of ``kind`` built by ``build`` agrees with ``module`` on the probe; else what
+    differed. A module of fake tensors is probed as a real copy of the same shapes and dtypes on CPU
+    (:func:`..probe.on_stand_in`): the probe draws its own weights and input, so it decides as on the real module."""
+
+    def probe(module: torch.nn.Module) -> str | None:
+        generator = torch.Generator().manual_seed(0)
+        device = next(module.parameters(), torch.empty(0)).device
+        dtype = next(module.parameters(), torch.empty(0)).dtype
+        for parameter_dtype, input_dtype in _settings(dtype):
+            with warnings.catch_warnings():  # torch warns about the mixed-dtype combinations it then runs unfused
+                warnings.simplefilter("ignore", UserWarning)
+                failure = _probe_one(module, build, parameter_dtype, input_dtype, generator, device)
+            if failure is not None:
+                return failure
+        return None
+
+    return on_stand_in(probe, module, key=(kind,))
 
 
 def _probe_one(
@@ -213,7 +220,7 @@ def _replacement(module: torch.nn.Module, threshold: float) -> tuple[MemoryShari
         return None, candidates
     failures = []
     for kind, build in candidates:
-        failure = _probe(module, build)
+        failure = _probe(module, build, kind)
         if failure is None:
             return build(module), f"{type(module).__name__} as {kind}"
         failures.append(f"{kind}: {failure}")

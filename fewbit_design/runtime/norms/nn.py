@@ -4,6 +4,7 @@ calls :func:`.ops.memory_sharing_norm`; no math here."""
 from __future__ import annotations
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import FewBitError, check_bits, check_choice
 from .._torchscript import NotScriptable
@@ -59,7 +60,8 @@ class MemorySharingNorm(NotScriptable, torch.nn.Module):
         self.bias = bias
         #: how many channels a compiled graph keeps (a Python int, so dynamo guards on it and recompiles on change)
         self.compiled_capacity = 0
-        if weight is not None and not weight.is_meta:  # in the weight's dtype; an eager run counts in the input's
+        # in the weight's dtype (an eager run counts in the input's); a fake weight has no values: none counted
+        if weight is not None and not weight.is_meta and not is_fake(weight):
             self.compiled_capacity = int(kept_channels(weight.dtype, weight, bias, self.kind, self.threshold).sum())
         self.bits = None if bits is None else check_bits(bits, low=2, high=8)
 

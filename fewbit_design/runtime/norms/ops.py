@@ -46,6 +46,7 @@ from __future__ import annotations
 import math
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import FewBitError, check_choice
 from .._eager import eager_twin, tracing
@@ -137,6 +138,8 @@ def _selected_channels(
     taken from x), but a marked channel beyond ``capacity`` could not be inverted to rounding, so that raises."""
     mask = kept_channels(y_dtype, weight, bias, kind, threshold)
     if capacity < 0:
+        if is_fake(mask):  # no values to compare (FakeTensorMode): as for any weights not near zero, none is kept
+            return torch.zeros(0, dtype=torch.int64, device=mask.device)
         return torch.nonzero(mask).reshape(-1)
     needed = int(mask.sum())
     if needed > capacity:
@@ -571,6 +574,8 @@ def norm_and_kept_count(
     bits, group_size, _ = check_options(bits, group_size, "stochastic")
     # the seed comes from torch's default CPU generator, as the compressed linears' (torch.manual_seed reproduces)
     seed = torch.randint(0, 2**62, (), dtype=torch.int64)
+    if static < 0 and is_fake(x):  # the custom op on fake tensors: no values, none kept (as _selected_channels)
+        static = 0
     arguments = (x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, static)
     operator = torch.ops.fewbit.norm_forward_compressed if tracing(x, weight) else _NormCompressedEager.apply
     y, _, channels, _, packed, scales = operator(*arguments)

@@ -17,7 +17,7 @@ import torch
 
 from ...errors import FewBitError, check_choice, check_keys, parse_budget, resolve_budget, show
 from .. import memory, registry
-from ..checkpoint.fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
+from ..fingerprint import BlockFingerprint, check_fingerprint, fingerprint, fingerprint_from_json
 from ..modules import remember
 from ..planfile import PlanFile
 from ..record import record_plan
@@ -92,7 +92,7 @@ class MemoryPlan(PlanFile):
         model_options: the ``"model"``-scope techniques applied to the whole model besides the chain's choices (the
             LM head); their effect is in the costs around the chain. Absent in plans saved before they existed.
         fingerprint: per block of the chain, its class and parameter shapes (see
-            :mod:`fewbit_design.runtime.checkpoint.fingerprint`); :meth:`apply` refuses a model whose blocks differ.
+            :mod:`fewbit_design.runtime.fingerprint`); :meth:`apply` refuses a model whose blocks differ.
             Empty in plans saved before fingerprints existed: they load, and apply without that check.
 
     Every field is checked (:meth:`validate`, :mod:`.schema`) when a plan is read and again when it is applied.

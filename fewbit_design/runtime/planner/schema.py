@@ -27,7 +27,7 @@ from ...errors import (
     show,
 )
 from .. import registry
-from ..checkpoint.fingerprint import check_fingerprint_value
+from ..fingerprint import check_fingerprint_value
 from .model import BlockCosts, ChainCosts, OptionCost
 from .techniques import check_technique_settings, option_name, parse_option
 

@@ -18,7 +18,6 @@ import torch
 
 from ...errors import FewBitError, show
 from .. import registry
-from ..checkpoint.apply import CheckpointedForward
 
 __all__ = [
     "TECHNIQUES",
@@ -38,7 +37,6 @@ __all__ = [
     "option_region",
     "charge",
     "candidate_options",
-    "CheckpointedForward",
 ]
 
 #: the registered techniques' names, in application order, when this module was imported (the registry's
