@@ -53,7 +53,6 @@ def json_form(where: str, value: Any) -> Any:
     raise FewBitError(f"{where} is {show(value)} ({kind}): a record in model.config holds JSON values only")
 
 
-
 def _config_or_none(model: Any) -> Any:
     config = getattr(model, "config", None)
     return None if config is None or isinstance(config, dict) else config

@@ -234,6 +234,3 @@ def _checked_convert(convert: Any, where: str) -> dict[str, Any] | list[dict[str
     if not isinstance(convert, list | tuple):
         return convert_options(convert, where)
     return [convert_options(call, f"{where}[{index}]") for index, call in enumerate(convert)]
-
-
-
