@@ -82,11 +82,13 @@ def test_compressed_gated_twin_is_the_op(dtype, fused):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_compressed_attention_twin_is_the_op(dtype):
+@pytest.mark.parametrize("dropout", [0.0, 0.3])
+def test_compressed_attention_twin_is_the_op(dtype, dropout):
     q = _randn(2, 4, 9, 16, dtype=dtype)
     k, v = _randn(2, 2, 9, 16, dtype=dtype, seed=1), _randn(2, 2, 9, 16, dtype=dtype, seed=2)
     codes = [c for t in (q, k, v) for c in quant.quantize_groups(t, 8, 64, stochastic=False, seed=0)]
-    arguments = (q, k, v, None, codes, None, True, 2, False, 8, 64)
+    seed = torch.tensor(5) if dropout else None  # the dropout mask's seed
+    arguments = (q, k, v, None, codes, None, True, 2, False, 8, 64, seed, dropout)
     _assert_same(
         attention_ops._CompressedAttentionEager.apply, torch.ops.fewbit.compressed_attention, arguments, {0, 1, 2}
     )

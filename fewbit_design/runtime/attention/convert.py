@@ -12,15 +12,21 @@ Recognition is by structure: a module whose ``forward`` reads ``ALL_ATTENTION_FU
 :data:`IMPLEMENTATION`, and whose ``fewbit_attention`` attribute holds the options. The model's own config is not
 changed, so removing the replacement (``runtime.convert`` restores the original modules when a technique does not pay
 off, or on error) restores the model exactly. Attention modules with another implementation (``"eager"``: its
-softmax is not SDPA's, so the forward would not be bitwise the model's), and those with attention dropout (which
-the compressed core does not do), are left alone with the reason in the report.
+softmax is not SDPA's, so the forward would not be bitwise the model's) are left alone with the reason in the report.
+
+Attention dropout (training): both modes run :mod:`.dropout`'s core (native SDPA's math path with a keep mask drawn
+from a seed the core keeps, drawn again in backward): nothing of size S x S is kept, where native SDPA with dropout
+runs its math path and keeps the probabilities and the mask. In the exact mode a module without a value projection
+(GPT-2's ``Conv1D``) keeps v; the core still keeps the caller's mask where native SDPA keeps a float copy per layer.
 
 When the module's output projection (:data:`OUTPUT_PROJECTIONS`) is a compressed linear and the core's codes have
 :data:`SHARED_OUTPUT_BITS` bits, the core makes the projection's codes of its output and shares them, and keeps the
 forward's log-sum-exp: its backward runs no forward (:mod:`.ops`, "Shared output").
 
-Calls the compressed op does not cover go to transformers' own ``sdpa`` function unchanged: dropout in training,
-``position_bias``, ``softcap``, attention outputs, and key/value lengths other than the query's (caches).
+Calls the cores do not cover go to transformers' own ``sdpa`` function unchanged: ``position_bias``, ``softcap``,
+attention outputs, and key/value lengths other than the query's (caches). k and v reach the cores at their key/value
+heads (grouped-query attention): they are kept so, with or without a mask, where transformers' ``sdpa`` function
+repeats them whenever a mask is passed.
 
 >>> import transformers                                                              # doctest: +SKIP
 >>> model = transformers.LlamaForCausalLM(transformers.LlamaConfig(num_hidden_layers=1))  # doctest: +SKIP
@@ -45,7 +51,7 @@ from ...errors import FewBitError, check_choice
 from ..linear.nn import CompressedConv1D, CompressedLinear, share_state
 from ..linear.quant import GROUP_SIZE, check_options
 from ..modules import slots, swap
-from .exact import ValueLinear, take_recipe, value_recompute_attention
+from .exact import ValueLinear, dropout_attention, take_recipe, value_recompute_attention
 from .ops import compressed_attention
 
 __all__ = ["convert", "AttentionReport", "hf_attention_forward", "IMPLEMENTATION"]
@@ -53,12 +59,12 @@ __all__ = ["convert", "AttentionReport", "hf_attention_forward", "IMPLEMENTATION
 #: the name registered in transformers' AttentionInterface
 IMPLEMENTATION = "fewbit_compressed"
 #: the attribute holding the options on a converted attention module: (bits, group_size) in the compressed mode,
-#: ("exact", name of the value projection) in the exact mode
+#: ("exact", name of the value projection or None) in the exact mode
 OPTIONS = "fewbit_attention"
 #: the modes of :func:`convert`
 MODES = ("compressed", "exact")
-#: the names of the linear layer whose output v is a view of (``v_proj``, Phi-3's fused ``qkv_proj``)
-VALUE_PROJECTIONS = ("v_proj", "qkv_proj")
+#: the names of the linear layer whose output v is a view of (``v_proj``, Phi-3's fused ``qkv_proj``, BERT's ``value``)
+VALUE_PROJECTIONS = ("v_proj", "qkv_proj", "value")
 #: the names of the linear layer that reads the attention output (LLaMA-style ``o_proj``, GPT-2's ``c_proj``, ...)
 OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense")
 #: the fewest bits of q, k, v codes at which the core shares its output's codes with the output projection and keeps
@@ -79,6 +85,8 @@ class AttentionReport:
         skipped: names, class and reason of the attention modules left alone
         already: how many were converted already
         mode: "compressed" or "exact"
+        keeps_v: names and class of the converted modules that keep v (exact mode, no value projection: the core
+            still keeps the caller's mask, not a float copy, and runs attention dropout)
     """
 
     bits: int | None
@@ -87,10 +95,13 @@ class AttentionReport:
     skipped: list[tuple[str, str, str]] = field(default_factory=list)
     already: int = 0
     mode: str = "compressed"
+    keeps_v: list[tuple[str, str]] = field(default_factory=list)
 
     def __str__(self) -> str:
         if self.mode == "exact":
-            head = f"{len(self.replaced)} attention core(s) rebuild v in backward (exact)"
+            head = f"{len(self.replaced) - len(self.keeps_v)} attention core(s) rebuild v in backward (exact)"
+            if self.keeps_v:
+                head += f", {len(self.keeps_v)} keep v (no value projection: {' / '.join(VALUE_PROJECTIONS)})"
         else:
             head = f"compressed {len(self.replaced)} attention core(s) ({self.bits}-bit q, k, v; groups of "
             head += f"{self.group_size})"
@@ -133,51 +144,44 @@ def hf_attention_forward(
 
     options = getattr(module, OPTIONS, None)
     exact = options is not None and options[0] == "exact"
-    projection = getattr(module, options[1], None) if exact else None
+    projection = getattr(module, options[1], None) if exact and options[1] is not None else None
     recipe = take_recipe(projection)  # taken whatever runs next: no tensor kept past this call
     q_length, kv_length = query.shape[2], key.shape[2]
     uncovered = (
         options is None
-        or dropout > 0.0
+        or not 0.0 <= dropout < 1.0
         or kwargs.get("position_bias") is not None
         or kwargs.get("softcap") is not None
         or kwargs.get("output_attentions", False)
         or q_length != kv_length
     )
+    caller = is_causal  # the caller's causal flag, as given
 
     def native() -> tuple[torch.Tensor, None]:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=caller, **kwargs
         )
 
-    caller = is_causal  # the caller's causal flag, as given
     if uncovered:
         return native()
     kv_repeat, enable_gqa = _grouping(module, attention_mask, key, value)
     is_causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
-    if exact:
+    call = dict(scale=scaling, is_causal=is_causal)
+    if exact and dropout > 0.0:  # k and v at their key/value heads, whatever transformers would repeat
+        rebuild = dict(recipe=recipe, projection=projection)
+        output = dropout_attention(query, key, value, attention_mask, p=dropout, **call, **rebuild)
+    elif exact:
         grouping = dict(kv_repeat=kv_repeat, enable_gqa=enable_gqa)
-        output = value_recompute_attention(
-            query, key, value, attention_mask, recipe, projection, scale=scaling, is_causal=is_causal, **grouping
-        )
+        output = value_recompute_attention(query, key, value, attention_mask, recipe, projection, **call, **grouping)
         if output is None:  # not a case the op covers (its docstring): native SDPA, which keeps v
             return native()
-        return output.transpose(1, 2).contiguous(), None
-    bits, group_size = options
-    output = compressed_attention(
-        query,
-        key,
-        value,
-        attention_mask,
-        scale=scaling,
-        is_causal=is_causal,
-        kv_repeat=kv_repeat,
-        enable_gqa=enable_gqa,
-        bits=bits,
-        group_size=group_size,
-        output_codes=_output_codes(module, bits),
-    )
+    else:
+        bits, group_size = options
+        codes = dict(bits=bits, group_size=group_size, output_codes=_output_codes(module, bits), dropout=dropout)
+        output = compressed_attention(
+            query, key, value, attention_mask, kv_repeat=kv_repeat, enable_gqa=enable_gqa, **call, **codes
+        )
     output = output.reshape(output.shape[0], -1, q_length, value.shape[-1])
     return output.transpose(1, 2).contiguous(), None
 
@@ -228,16 +232,6 @@ def _attention_core(module: torch.nn.Module) -> str | None:
     return getattr(config, "_attn_implementation", None) or "none"
 
 
-def _dropout(module: torch.nn.Module) -> float:
-    """The attention dropout probability a Hugging Face attention module passes in training (LLaMA-style
-    ``attention_dropout``, GPT-2's ``attn_dropout`` module)."""
-    probability = getattr(module, "attention_dropout", 0.0)
-    if isinstance(probability, torch.nn.Module):
-        probability = getattr(probability, "p", 0.0)
-    layer = getattr(module, "attn_dropout", None)
-    return max(float(probability or 0.0), float(getattr(layer, "p", 0.0) or 0.0))
-
-
 def _value_projection(module: torch.nn.Module) -> str | None:
     """The name of the child linear that makes v (:data:`VALUE_PROJECTIONS`, a plain ``nn.Linear``), or None."""
     for name in VALUE_PROJECTIONS:
@@ -262,7 +256,8 @@ def convert(
         bits: bits of the q, k, v codes, 2 to 8 (compressed mode; not read in the exact mode).
         mode: "compressed" (K-bit codes of q, k, v; approximate gradients) or "exact" (native SDPA that keeps the
             value projection's input, shared with q_proj and k_proj, instead of v: :mod:`.exact`; exact gradients;
-            attention modules without a ``v_proj`` / ``qkv_proj`` linear are left alone).
+            attention modules without a value projection (:data:`VALUE_PROJECTIONS`, an ``nn.Linear``) keep v).
+            Both modes run attention dropout through :mod:`.dropout`'s core.
         group_size: values per (low, step) pair along the head dimension.
         filter: ``filter(name, module) -> bool``; only attention modules it accepts are converted.
     """
@@ -283,31 +278,31 @@ def convert(
             continue
         if implementation is None or (implementation == "sdpa" and filter is not None and not filter(name, module)):
             continue
-        reason = _left_alone(module, implementation, mode)
+        reason = _left_alone(module, implementation)
         if reason is not None:
             report.skipped.append((name, type(module).__name__, reason))
             continue
         replacements[id(module)] = _converted_copy(module, mode, bits, group_size)
         report.replaced.append((name, type(module).__name__))
+        if mode == "exact" and _value_projection(module) is None:
+            report.keeps_v.append((name, type(module).__name__))
     swap(model, found, replacements)
     model.attention_report = report
     return model
 
 
-def _left_alone(module: torch.nn.Module, implementation: str, mode: str) -> str | None:
-    """Why an attention module with this implementation is left alone in ``mode``, or None: it is converted."""
+def _left_alone(module: torch.nn.Module, implementation: str) -> str | None:
+    """Why an attention module with this implementation is left alone (in both modes), or None: it is converted."""
     if implementation != "sdpa":
         return (
-            f"attention implementation {implementation!r}: the compressed core stands in for 'sdpa' only "
-            "(load the model with attn_implementation='sdpa')"
+            f"attention implementation {implementation!r}: the cores stand in for 'sdpa' only (its softmax and "
+            "dropout are not SDPA's; load the model with attn_implementation='sdpa')"
         )
-    if _dropout(module) > 0.0:
+    if "position_bias" in inspect.signature(inspect.unwrap(type(module).forward)).parameters:
         return (
-            f"attention dropout {_dropout(module)}: in training it would run native SDPA (the compressed core has no "
-            "dropout)"
+            "position bias (T5's relative attention bias): an additive bias with a gradient, which the cores do not "
+            "take; every call would run native SDPA"
         )
-    if mode == "exact" and _value_projection(module) is None:
-        return f"no value projection ({' / '.join(VALUE_PROJECTIONS)}, a torch.nn.Linear): v cannot be rebuilt"
     return None
 
 
@@ -321,7 +316,8 @@ def _converted_copy(module: torch.nn.Module, mode: str, bits: int, group_size: i
     replacement.config._attn_implementation_internal = IMPLEMENTATION
     if mode == "exact":
         projection = _value_projection(module)
-        replacement._modules[projection] = share_state(module._modules[projection], ValueLinear)
+        if projection is not None:
+            replacement._modules[projection] = share_state(module._modules[projection], ValueLinear)
         setattr(replacement, OPTIONS, ("exact", projection))
     else:
         setattr(replacement, OPTIONS, (bits, group_size))

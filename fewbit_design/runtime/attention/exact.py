@@ -2,10 +2,15 @@
 value projection's input (which q_proj and k_proj keep anyway) instead of being kept.
 
 Terms. ``x`` is the attention module's input (the first norm's output), ``projection`` the linear layer producing v
-(``v_proj``, or a fused ``qkv_proj`` of which v is a slice), ``v`` a view (``view`` / ``transpose`` / slice) of
-``projection(x)``. Native SDPA keeps q, k, v, its output and the row log-sum-exp; the linears before it keep x. This
-op keeps q, k, x (shared with the linears: no new bytes), the output and the log-sum-exp: one hidden-sized tensor per
-token fewer than native (v; with ``repeat_kv`` GQA, the repeated k and v become the unrepeated k).
+(``v_proj``, a fused ``qkv_proj`` of which v is a slice, BERT's ``value``), ``v`` a view (``view`` / ``transpose`` /
+slice) of ``projection(x)``. Native SDPA keeps q, k, v, its output and the row log-sum-exp; the linears before it keep
+x. This op keeps q, k, x (shared with the linears: no new bytes), the output and the log-sum-exp: one hidden-sized
+tensor per token fewer than native (v). Where v is not such a view (no value projection, as GPT-2's ``Conv1D``; a
+key/value cache's copy, which a model with ``use_cache`` makes in training too) it keeps v itself. Either way k and v
+stay at their key/value heads (grouped-query attention: the op repeats them, as ``repeat_kv``, only inside the
+kernel call), where transformers' sdpa function repeats them whenever a mask is passed and native keeps the copies;
+and a boolean mask is kept as the caller's object (one for all layers), where native SDPA keeps a float copy per
+layer.
 
 * forward: the same SDPA kernel native runs (``torch._fused_sdp_choice`` must name the CPU flash kernel, as native
   picks it for float CPU inputs without dropout; otherwise the caller runs native SDPA): bitwise native;
@@ -334,7 +339,8 @@ def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch
         raise FewBitError(f"attention needs q, k, v of one dtype and device, got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask is not None:
         full = (batch, heads, rows, k.shape[2])
-        if mask.dim() > 4 or any(size not in (1, wanted) for size, wanted in zip(mask.shape[::-1], full[::-1])):
+        trailing = zip(mask.shape[::-1], full[::-1], strict=False)  # broadcasting aligns the trailing sizes
+        if mask.dim() > 4 or any(size not in (1, wanted) for size, wanted in trailing):
             raise FewBitError(f"the attention mask {tuple(mask.shape)} does not broadcast to {full} ({shapes})")
         if mask.requires_grad:
             raise FewBitError("the attention mask must not require grad (the dropout core gives it no gradient)")

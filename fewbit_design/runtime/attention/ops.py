@@ -18,6 +18,10 @@ group, nearest rounding) and nothing else of size S x S or of the output:
 Gradients are approximate (the decoded values are within half a step of the exact ones): the error falls with K
 (tests/runtime/attention/test_attention_op.py measures it per K against native).
 
+With dropout (``dropout`` > 0, training): the forward and the backward formula are :mod:`.dropout`'s (native SDPA's
+math path with a keep mask drawn from a seed, in blocks), the backward at (q~, k~, v~) with the forward's keep mask
+drawn again from the seed the op keeps (8 bytes): still nothing of size S x S kept.
+
 Shared output (``output_codes``, eager, float32 on the CPU without a mask: how ``hf_attention_forward`` calls it when
 the output projection is a compressed linear): the forward runs the CPU flash kernel itself (the kernel native SDPA
 dispatches to, so bitwise the same output) and keeps its log-sum-exp (B, H, S float32) and the output projection's
@@ -44,6 +48,7 @@ import torch
 from .._eager import eager_twin, tracing
 from ..linear.ops import share_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, dequantize_shared, quantize_codes
+from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
 
 __all__ = ["compressed_attention", "attention_backward_reference", "attention_backward_flash", "native_attention"]
 
@@ -87,12 +92,13 @@ def native_attention(
     is_causal: bool,
     kv_repeat: int,
     enable_gqa: bool,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """The native call: ``repeat_kv`` then SDPA (or SDPA with ``enable_gqa``), no dropout."""
+    """The native call: ``repeat_kv`` then SDPA (or SDPA with ``enable_gqa``), no dropout unless ``dropout``."""
     k, v = _repeat(k, kv_repeat), _repeat(v, kv_repeat)
     extra = {"enable_gqa": True} if enable_gqa else {}
     return torch.nn.functional.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=is_causal, scale=scale, **extra
+        q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=is_causal, scale=scale, **extra
     )
 
 
@@ -196,10 +202,15 @@ def _compressed_attention_impl(
     enable_gqa: bool,
     bits: int,
     group_size: int,
+    seed: torch.Tensor | None,
+    dropout: float,
 ) -> torch.Tensor:
     # in the CPU flash kernel's layout whichever kernel ran (its output follows q's; the math kernel's is
     # contiguous), so that the fake kernel can say it: free for Hugging Face's q, which is laid out so, and for the
     # ``transpose(1, 2).contiguous()`` Hugging Face applies to the output
+    if dropout > 0.0:  # k and v at their key/value heads, whichever GQA form the caller named
+        output = flash_layout(q, (*q.shape[:3], v.shape[-1]))
+        return dropout_attention_forward(q, k, v, mask, int(seed), dropout, scale, is_causal, out=output)
     return to_flash_layout(native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa))
 
 
@@ -209,7 +220,7 @@ _compressed_attention = torch.library.custom_op("fewbit::compressed_attention", 
 
 
 @_compressed_attention.register_fake
-def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size):
+def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size, seed, dropout):
     batch, heads, length, _ = q.shape
     return flash_layout(q, (batch, heads, length, v.shape[-1]))
 
@@ -225,11 +236,16 @@ def _compressed_attention_backward_impl(
     is_causal: bool,
     bits: int,
     group_size: int,
+    seed: torch.Tensor | None,
+    dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     decoded = [
         dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
         for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
     ]
+    if dropout > 0.0:  # the forward's keep mask, drawn again from its seed
+        gradients = flash_gradients_like(grad, q_shape, k_shape, v_shape)
+        return dropout_attention_backward(grad, *decoded, mask, int(seed), dropout, scale, is_causal, out=gradients)
     if _takes_flash_backward(grad, mask):
         return attention_backward_flash(grad, *decoded, scale, is_causal)
     return attention_backward_reference(grad, *decoded, mask, scale, is_causal)
@@ -279,27 +295,27 @@ _compressed_attention_backward = torch.library.custom_op("fewbit::compressed_att
 
 
 @_compressed_attention_backward.register_fake
-def _(grad, mask, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size):
-    if _takes_flash_backward(grad, mask):
+def _(grad, mask, codes, q_shape, k_shape, v_shape, scale, is_causal, bits, group_size, seed, dropout):
+    if dropout > 0.0 or _takes_flash_backward(grad, mask):
         return flash_gradients_like(grad, q_shape, k_shape, v_shape)
     return tuple(grad.new_empty(shape) for shape in (q_shape, k_shape, v_shape))
 
 
 def _setup_context(ctx, inputs, output) -> None:
-    q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size = inputs
-    ctx.save_for_backward(mask, *codes)
+    q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size, seed, dropout = inputs
+    ctx.save_for_backward(mask, seed, *codes)
     ctx.shapes = (list(q.shape), list(k.shape), list(v.shape))
     ctx.options = (scale, is_causal, bits, group_size)
+    ctx.dropout = dropout
 
 
 def _backward(ctx, grad: torch.Tensor):
-    mask, *codes = ctx.saved_tensors
-    scale, is_causal, bits, group_size = ctx.options
+    mask, seed, *codes = ctx.saved_tensors
     operator = (
         torch.ops.fewbit.compressed_attention_backward if tracing(grad, *codes) else _compressed_attention_backward_impl
     )
-    grad_q, grad_k, grad_v = operator(grad.contiguous(), mask, codes, *ctx.shapes, scale, is_causal, bits, group_size)
-    return grad_q, grad_k, grad_v, None, [None] * len(codes), None, None, None, None, None, None
+    grad_q, grad_k, grad_v = operator(grad.contiguous(), mask, codes, *ctx.shapes, *ctx.options, seed, ctx.dropout)
+    return grad_q, grad_k, grad_v, None, [None] * len(codes), None, None, None, None, None, None, None, None
 
 
 _compressed_attention.register_autograd(_backward, setup_context=_setup_context)
@@ -443,11 +459,13 @@ def compressed_attention(
     bits: int = 8,
     group_size: int = GROUP_SIZE,
     output_codes: tuple[int, int, str] | None = None,
+    dropout: float = 0.0,
 ) -> torch.Tensor:
-    """``F.scaled_dot_product_attention(q, k, v, mask, is_causal=..., scale=...)`` (no dropout; k and v repeated
-    ``kv_repeat`` times per head first, or ``enable_gqa``) that keeps q, k and v for backward as ``bits``-bit group
-    codes (module docstring). Without a gradient to compute (grad mode off, or none of q, k, v requires grad, or a
-    mask that requires grad) it is the native call.
+    """``F.scaled_dot_product_attention(q, k, v, mask, is_causal=..., scale=..., dropout_p=dropout)`` (k and v
+    repeated ``kv_repeat`` times per head first, or ``enable_gqa``) that keeps q, k and v for backward as
+    ``bits``-bit group codes (module docstring). Without a gradient to compute (grad mode off, or none of q, k, v
+    requires grad, or a mask that requires grad) it is the native call. With ``dropout`` the keep mask is drawn from a
+    seed the op keeps (:mod:`.dropout`) and drawn again in backward; k and v stay at their key/value heads.
 
     ``output_codes``, the ``(bits, group_size, rounding)`` of a compressed linear that reads this output as
     (B, S, H * D_v) (Hugging Face's output projection): in eager, for float32 CPU inputs without a mask on which
@@ -474,11 +492,13 @@ def compressed_attention(
         bits: bits per saved code, 2 to 8
         group_size: values per (low, step) group along the head dimension
         output_codes: ``(bits, group_size, rounding)`` of the compressed linear reading the output, or None
+        dropout: the dropout probability on the attention probabilities, in [0, 1)
     """
     bits, group_size, _ = check_options(bits, group_size, "nearest")
+    dropout = check_probability(dropout)
     needs_grad = any(t.requires_grad for t in (q, k, v)) and not (mask is not None and mask.requires_grad)
     if not (torch.is_grad_enabled() and needs_grad):
-        return native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa)
+        return native_attention(q, k, v, mask, scale, is_causal, kv_repeat, enable_gqa, dropout)
     seed = torch.zeros((), dtype=torch.int64)  # nearest rounding draws no noise
     codes: list[torch.Tensor] = []
     for tensor in (q, k, v):
@@ -486,6 +506,7 @@ def compressed_attention(
     repeat = q.shape[1] // k.shape[1] if enable_gqa else kv_repeat
     if (
         output_codes is not None
+        and dropout == 0.0
         and mask is None
         and q.dtype == torch.float32
         and q.device.type == "cpu"
@@ -493,7 +514,8 @@ def compressed_attention(
         and _native_picks_flash(q, k, v, None, scale, is_causal, repeat)
     ):
         return _flash_attention_shared(q, k, v, codes, scale, is_causal, repeat, bits, group_size, output_codes)
-    arguments = (q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size)
+    dropout_seed = draw_seed(q.device) if dropout > 0.0 else None
+    arguments = (q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group_size, dropout_seed, dropout)
     if tracing(q, k, v, mask):
         return torch.ops.fewbit.compressed_attention(*arguments)
     return _CompressedAttentionEager.apply(*arguments)

@@ -5,6 +5,7 @@ LLaMA block (I = 8/3 H, no GQA) saves at most 0.70x of the compiled native block
 
 import copy
 
+import families
 import pytest
 import torch
 from tolerances import assert_gradient_close, gradient_tolerance
@@ -123,10 +124,24 @@ def test_default_convert_llama_block_at_most_0_70_of_compiled_native():
         assert _block_bytes(converted, x, kwargs, compile_it) <= 0.70 * native_compiled, compile_it
 
 
-def test_not_a_view_of_the_projection_runs_native():
-    """v must be a view of what the projection returned, unchanged since (eager checks the base and the version):
-    anything else goes to native SDPA, which keeps v. A copy of the view (a KV cache's ``torch.cat``) has the
-    values but not the layout the op would rebuild v with."""
+def _kept(function):
+    """The storages autograd saves while ``function()`` runs (their ``_cdata``), and its result."""
+    kept = set()
+
+    def pack(tensor):
+        kept.add(tensor.untyped_storage()._cdata)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = function()
+    return result, kept
+
+
+def test_not_a_view_of_the_projection_keeps_v():
+    """v must be a view of what the projection returned, unchanged since (eager checks the base and the version) to
+    be rebuilt: anything else is kept as it is (at its key/value heads, as native without a mask), with gradients
+    bitwise native's. A copy of the view (a KV cache's ``torch.cat``, which a model with ``use_cache`` makes in
+    training too) has the values but not the layout the op would rebuild v with."""
     projection = torch.nn.Linear(16, 16)
     x = torch.randn(1, 5, 16, requires_grad=True)
     q, k = (torch.randn(1, 2, 5, 8, requires_grad=True) for _ in range(2))
@@ -134,26 +149,41 @@ def test_not_a_view_of_the_projection_runs_native():
     recipe = (x, projected, projected._version)
     view = projected.view(1, 5, 2, 8).transpose(1, 2)
     options = dict(scale=None, is_causal=True, kv_repeat=1, enable_gqa=False)
-    assert value_recompute_attention(q, k, view, None, recipe, projection, **options) is not None
-    assert value_recompute_attention(q, k, view * 1.0, None, recipe, projection, **options) is None
-    cached = torch.cat([torch.tensor([]), view], dim=-2)  # DynamicLayer.update's first call
-    assert value_recompute_attention(q, k, cached, None, recipe, projection, **options) is None
-    assert value_recompute_attention(q, k, view, None, None, projection, **options) is None
-    with torch.no_grad():
-        assert value_recompute_attention(q, k, view, None, recipe, projection, **options) is None
     changed = projection(x)
     changed_view = changed.view(1, 5, 2, 8).transpose(1, 2)
-    recipe = (x, changed, changed._version)
+    changed_recipe = (x, changed, changed._version)
     changed_view.mul_(2.0)  # written in place after the projection: rebuilding v would give the old values
-    assert value_recompute_attention(q, k, changed_view, None, recipe, projection, **options) is None
+    cases = [
+        (view, recipe, True),
+        (view * 1.0, recipe, False),
+        (torch.cat([torch.tensor([]), view], dim=-2), recipe, False),  # DynamicLayer.update's first call
+        (view, None, False),
+        (changed_view, changed_recipe, False),
+    ]
+    for v, given, rebuilt in cases:
+        output, kept = _kept(lambda: value_recompute_attention(q, k, v, None, given, projection, **options))  # noqa
+        assert (x.untyped_storage()._cdata in kept) == rebuilt
+        assert (v.untyped_storage()._cdata in kept) == (not rebuilt)
+        native = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        assert torch.equal(output, native)
+        grad = torch.randn_like(native)
+        inputs = (q, k, x)
+        expected = torch.autograd.grad(native, inputs, grad, retain_graph=True)
+        got = torch.autograd.grad(output, inputs, grad, retain_graph=True)
+        assert all(torch.equal(a, b) for a, b in zip(got, expected, strict=True))
+    with torch.no_grad():
+        assert value_recompute_attention(q, k, view, None, recipe, projection, **options) is None
 
 
-def test_model_without_a_value_projection_is_left_with_the_reason():
+def test_model_without_a_value_projection_keeps_v():
+    """Converted all the same (the core keeps k unrepeated and the caller's mask, where native keeps a float copy
+    per layer), with v kept; the report says which and why."""
     model = build()
     attention = model.model.layers[0].self_attn
-    attention.value = attention._modules.pop("v_proj")  # renamed: nothing to rebuild v from
+    attention.values = attention._modules.pop("v_proj")  # renamed: nothing to rebuild v from
     convert(model, mode="exact")
-    assert "no value projection (v_proj / qkv_proj, a torch.nn.Linear)" in str(model.attention_report)
+    assert "1 keep v (no value projection: v_proj / qkv_proj / value)" in str(model.attention_report)
+    assert model.attention_report.keeps_v == [("model.layers.0.self_attn", "LlamaAttention")]
 
 
 @pytest.mark.parametrize("repeat", [1, 2])
@@ -176,7 +206,40 @@ def test_opcheck(repeat):
         output, log_sum_exp = torch.ops.fewbit.value_recompute_attention(*arguments)
         view = (list(v.size()), list(v.stride()), v.storage_offset())
         saved = (t.detach() for t in (q, k, x, weight, bias, output, log_sum_exp))  # a backward is not differentiated
+        q_, k_, x_, *rest = saved
+        grad = torch.randn_like(output)
         torch.library.opcheck(
             torch.ops.fewbit.value_recompute_attention_backward.default,
-            (torch.randn_like(output), *saved, m, *view, None, m is None, repeat),
+            (grad, q_, k_, None, x_, *rest, m, *view, None, m is None, repeat),
         )
+        # v kept (not a view of a projection): the same ops without x
+        kept = (q, k, v, None, None, None, m, None, m is None, repeat)
+        torch.library.opcheck(torch.ops.fewbit.value_recompute_attention.default, kept)
+        kept = (q_, k_, v.detach(), None, None, None, *rest[2:], m, *view, None, m is None, repeat)
+        torch.library.opcheck(torch.ops.fewbit.value_recompute_attention_backward.default, (grad, *kept))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("family", ["gpt2", "bert", "vit", "whisper", "clip", *families.DECODERS])
+def test_every_family_is_bitwise_native(family, padded):
+    """Exact mode without dropout on every family of tests/families.py but T5 (position bias: left alone), grouped
+    key/value heads where the family has them: logits and gradients bitwise native's, whether v is rebuilt (a
+    ``v_proj`` / ``qkv_proj`` / BERT's ``value``), kept (GPT-2's ``Conv1D``; a key/value cache's copy) or k and v
+    would be repeated (a mask)."""
+    native, batch = families.build(family, kv_heads=1)
+    if padded and "input_ids" in batch:
+        mask = torch.ones_like(batch["input_ids"])
+        mask[0, :3] = 0
+        batch = {**batch, "attention_mask": mask}
+    ours = convert(copy.deepcopy(native), mode="exact")
+    assert ours.attention_report.replaced and not ours.attention_report.skipped
+    results = []
+    for model in (native.train(), ours.train()):
+        out = families.output(model, batch)
+        weights = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+        trained = [p for p in model.parameters() if p.requires_grad]
+        grads = torch.autograd.grad((out * weights).sum(), trained, allow_unused=True)
+        results.append((out.detach(), grads))
+    assert torch.equal(results[0][0], results[1][0])
+    for a, b in zip(results[0][1], results[1][1], strict=True):
+        assert (a is None and b is None) or torch.equal(a, b)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from fewbit_design import runtime
-from fewbit_design.runtime import conversion, memory
+from fewbit_design.runtime import memory, modules
 from fewbit_design.runtime.attention import convert
 from fewbit_design.runtime.attention.convert import IMPLEMENTATION
 
@@ -91,9 +91,9 @@ def test_restoring_the_modules_restores_the_model():
     children back: for the attention core that is the whole undo, since the model's config was never changed."""
     model = build("llama").train()
     before, original = step(model), model.model.layers[0].self_attn
-    snapshot = conversion._snapshot(model)
+    snapshot = modules.snapshot(model)
     convert(model, bits=2)
-    conversion._restore(snapshot)
+    modules.restore(snapshot)
     assert model.model.layers[0].self_attn is original
     assert not any(hasattr(m, "fewbit_attention") for m in model.modules())
     assert model.model.layers[0].self_attn.config._attn_implementation == "sdpa"
@@ -137,12 +137,3 @@ def test_compress_8_block_against_compiled_native(family, bound):
         kwargs = {"position_embeddings": rotary, "attention_mask": None}
     counts = {name: _compiled_block_bytes(m, family, x, kwargs) for name, m in (("native", native), ("8", compressed))}
     assert counts["8"] <= bound * counts["native"], counts
-
-
-def test_attention_dropout_is_left_with_the_reason():
-    """GPT-2's default attn_pdrop is 0.1: in training the call would go to native SDPA, so nothing would be saved."""
-    model = build("gpt2")
-    model.transformer.h[0].attn.attn_dropout.p = 0.1
-    convert(model)
-    report = model.attention_report
-    assert not report.replaced and "attention dropout 0.1" in str(report), str(report)

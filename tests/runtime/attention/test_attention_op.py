@@ -129,12 +129,12 @@ def test_opcheck(kv_repeat, mask_kind, layout):
     codes = [c for t in (q, k, v) for c in torch.ops.fewbit.group_quantize(t.detach(), 8, 64, False, seed)]
     torch.library.opcheck(
         torch.ops.fewbit.compressed_attention.default,
-        (q, k, v, mask, codes, None, mask is None, kv_repeat, False, 8, 64),
+        (q, k, v, mask, codes, None, mask is None, kv_repeat, False, 8, 64, None, 0.0),
     )
     shapes = [list(q.shape), list(k.shape), list(v.shape)]
     torch.library.opcheck(
         torch.ops.fewbit.compressed_attention_backward.default,
-        (grad.detach(), mask, codes, *shapes, None, mask is None, 8, 64),
+        (grad.detach(), mask, codes, *shapes, None, mask is None, 8, 64, None, 0.0),
     )
 
 
