@@ -34,8 +34,10 @@ callers draw ``seed`` from torch's default CPU generator, so ``torch.manual_seed
 dropout). (Before the fused CPU kernel the noise was ``torch.rand`` from a generator seeded with ``seed``: the
 stochastic codes of a given seed changed then, their distribution did not; nearest rounding is bitwise as before.)
 
-Kernels: :func:`quantize_groups` and :func:`dequantize_groups` run one fused numba pass on CPU (:mod:`._numba_quant`)
-and the pure-torch ``*_reference`` elsewhere; both give the same bytes and values.
+Kernels: :func:`quantize_groups` and :func:`dequantize_groups` run one fused pass: numba on CPU
+(:mod:`._numba_quant`), Triton on CUDA (:mod:`.triton_quant`, where it serves the shape: features and group size
+multiples of 8), and the pure-torch ``*_reference`` elsewhere (and where numba or triton is not installed); all
+give the same bytes and values.
 
 >>> x = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
 >>> packed, scales = quantize_groups(x, 2, 4, stochastic=False, seed=0)
@@ -45,6 +47,8 @@ and the pure-torch ``*_reference`` elsewhere; both give the same bytes and value
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import threading
 import weakref
 
@@ -58,6 +62,7 @@ __all__ = [
     "GROUP_SIZE",
     "ROUNDINGS",
     "check_options",
+    "kernels_for",
     "saved_nbytes",
     "noise_reference",
     "quantize_groups",
@@ -149,13 +154,30 @@ def noise_reference(rows: int, columns: int, seed: int, device: torch.device | s
     return (hashed >> 8).to(torch.float32) * 2.0**-24
 
 
+@functools.cache
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def kernels_for(device: torch.device) -> str:
+    """The kernels that run for tensors on ``device``: 'numba' on the CPU and 'triton' on CUDA where the package is
+    installed, else 'reference' (pure torch).
+
+    Args:
+        device: where the tensors are
+    """
+    if device.type == "cpu":
+        return "numba" if _numba_available() else "reference"
+    return "triton" if device.type == "cuda" and _triton_available() else "reference"
+
+
 def quantize_groups(
     x: torch.Tensor, bits: int, group_size: int, *, stochastic: bool, seed: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(packed, scales)`` of ``x`` (features last; any float dtype, any device): packed uint8 codes of the
     ``rows * features`` values in row-major order, and float32 ``(low, step)`` per group, shape (rows, groups, 2).
-    On CPU with numba, one fused pass (:mod:`._numba_quant`; bfloat16 read natively); elsewhere
-    :func:`quantize_groups_reference`. Both give the same bytes.
+    One fused pass with the kernels of :func:`kernels_for` (numba: :mod:`._numba_quant`, bfloat16 read natively;
+    Triton: :mod:`.triton_quant`); else :func:`quantize_groups_reference`. All give the same bytes.
 
     Args:
         x: the values, features last
@@ -164,7 +186,13 @@ def quantize_groups(
         stochastic: stochastic rounding (unbiased) instead of nearest
         seed: the seed of the stochastic rounding
     """
-    if x.device.type != "cpu" or x.numel() == 0 or not _numba_available():
+    kernels = kernels_for(x.device)
+    if kernels == "triton":
+        from . import triton_quant
+
+        if x.numel() and triton_quant.kernel_serves(x.shape[-1] if x.dim() else 1, group_size):
+            return triton_quant.quantize_groups_triton(x, bits, group_size, stochastic=stochastic, seed=seed)
+    if kernels != "numba" or x.numel() == 0:
         return quantize_groups_reference(x, bits, group_size, stochastic=stochastic, seed=seed)
     from .. import _numba_packing
     from . import _numba_quant as kernels
@@ -233,8 +261,9 @@ def dequantize_groups(
     packed: torch.Tensor, scales: torch.Tensor, features: int, bits: int, group_size: int, dtype: torch.dtype
 ) -> torch.Tensor:
     """The decoded values ``low + code * step`` as a (rows, features) tensor of ``dtype`` (computed in float32, as
-    one fused multiply-add). On CPU with numba, one pass (:mod:`._numba_quant`; float32 and bfloat16 written
-    natively); elsewhere :func:`dequantize_groups_reference`. Both give the same values.
+    one fused multiply-add). One pass with the kernels of :func:`kernels_for` (numba: :mod:`._numba_quant`, float32
+    and bfloat16 written natively; Triton: :mod:`.triton_quant`); else :func:`dequantize_groups_reference`. All give
+    the same values.
 
     Args:
         packed: the packed codes from :func:`quantize_groups`
@@ -245,7 +274,13 @@ def dequantize_groups(
         dtype: the dtype of the result
     """
     rows = scales.shape[0]
-    if scales.device.type != "cpu" or rows * features == 0 or not _numba_available():
+    kernels = kernels_for(scales.device)
+    if kernels == "triton":
+        from . import triton_quant
+
+        if rows * features and triton_quant.kernel_serves(features, group_size):
+            return triton_quant.dequantize_groups_triton(packed, scales, features, bits, group_size, dtype)
+    if kernels != "numba" or rows * features == 0:
         return dequantize_groups_reference(packed, scales, features, bits, group_size, dtype)
     from .. import _numba_packing
     from . import _numba_quant as kernels
