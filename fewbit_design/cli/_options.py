@@ -7,6 +7,7 @@ on :data:`cli` from here, and :mod:`fewbit_design.cli` imports those modules. Im
 from __future__ import annotations
 
 import inspect
+import sys
 from typing import Any
 
 import click
@@ -166,3 +167,10 @@ def cli() -> None:
       fewbit-design silu --bits 4 --mode intervals --json | jq .error
       fewbit-design list
     """
+
+
+def stage(message: str) -> None:
+    """A stage of long work, as one line on stderr, only for a person watching a terminal (stdout and pipes stay
+    clean: ``--json`` rows, logs)."""
+    if sys.stderr.isatty():
+        click.echo(f"  {message} ...", err=True)

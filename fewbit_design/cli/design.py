@@ -13,16 +13,10 @@ import numpy as np
 
 from ..design.weights import check_design_range
 from ..errors import FewBitError, check_bits, check_choice
-from ._options import WEIGHT_KINDS, ActivationCommand, cli, fold_option, weight_options
+from ._options import WEIGHT_KINDS, ActivationCommand, cli, fold_option, stage, weight_options
 
 MODES = ("levelsets", "intervals")
 SPACINGS = ("adaptive", "uniform")
-
-
-def _progress(message: str) -> None:
-    """Stage messages on stderr, only for a person watching a terminal (stdout stays clean for --json)."""
-    if sys.stderr.isatty():
-        click.echo(f"  {message} ...", err=True)
 
 
 def _bound_activation(activation: str | None, module: str | None, params: tuple[str, ...]):
@@ -180,7 +174,7 @@ def design_command(activation, bits, weight, loc, scale, df, samples, design_ran
     _note_first_compile()
     start = time.perf_counter()
     table = design(bound, bits, weight=w, mode=mode, symmetric=symmetric, grid=grid, spacing=spacing,
-                   refine=not no_refine, progress=_progress)  # fmt: skip
+                   refine=not no_refine, progress=stage)  # fmt: skip
     seconds = time.perf_counter() - start
     _write_outputs(table, bound, w, out, plot, force=force)
     if as_json:

@@ -67,6 +67,13 @@ def for_shell(message: str) -> str:
     return re.sub(r"(?<![-\w])force=True\b", "--force", message)
 
 
+#: optional dependencies a command may need -> how to install them (one line instead of an import traceback)
+_INSTALL = {
+    "torch": "bash scripts/setup.sh (the build for this machine), or pip install 'fewbit-design[runtime]'",
+    "transformers": "pip install 'fewbit-design[models]'",
+}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     """Console entry point: run the CLI, turning every user error into one line on stderr and exit status 2, and
     Ctrl-C (from the first moment, while the modules import) into one line and exit status 130.
@@ -97,6 +104,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         _fail(exc.format_message().replace("\n", " "))
     except FewBitError as exc:
         _fail(for_shell(str(exc)))
+    except ModuleNotFoundError as exc:  # an optional dependency the command needs (torch, transformers, ...)
+        if exc.name not in _INSTALL:
+            raise
+        _fail(f"this command needs {exc.name}, which is not installed here: {_INSTALL[exc.name]}")
     except (KeyboardInterrupt, Interrupted):
         _interrupted()
     sys.exit(0)

@@ -24,7 +24,7 @@ import click
 from ..errors import FewBitError, parse_budget
 from ..output_files import check_outputs, write_bytes_atomic, write_files_atomic
 from ..plots import figure_bytes, figure_format
-from ._options import cli
+from ._options import cli, stage
 
 __all__ = [
     "memory",
@@ -334,8 +334,9 @@ def _estimate_command(
     if seq < 1:
         raise FewBitError(f"--seq must be a positive number of tokens, got {seq}")
     result = estimate.estimate(
-        config, batch=batch, sequence=seq, device=target, dtype=dtype, gpus=gpus, fsdp=fsdp, master_weights=master
-    )
+        config, batch=batch, sequence=seq, device=target, dtype=dtype, gpus=gpus, fsdp=fsdp, master_weights=master,
+        progress=stage,
+    )  # fmt: skip
     click.echo(result.report())
     files = {}
     if json_path is not None:
@@ -440,10 +441,12 @@ def memory(
     function = load_factory(factory)
     from ..runtime import planner
 
+    stage(f"building {factory} and running it once")
     model = _build(function, factory)
     inputs = example_inputs(input_shapes, vocab)
     check_model_runs(model, inputs, factory, vocab)
     try:
+        stage("profiling every block with each technique, then planning")
         plan = planner.plan_memory(
             model,
             *inputs,
@@ -455,6 +458,7 @@ def memory(
             chain=chain,
         )
         if measure:
+            stage("measuring one step of the plan on a fresh model")
             fresh = plan.apply(_build(function, factory))
             plan.measure(fresh, *inputs)
     except (RuntimeError, MemoryError) as error:

@@ -566,6 +566,7 @@ def estimate(
     variants: tuple[str, ...] = VARIANTS,
     search: bool = True,
     transforms: Mapping[str, Callable[[torch.nn.Module], torch.nn.Module]] | None = None,
+    progress: Callable[[str], None] | None = None,
 ) -> Estimate:
     """Estimate each variant's whole-step memory, whether it fits, the longest sequence and largest batch that fit,
     and its predicted step time (module docstring), without allocating the model.
@@ -584,6 +585,7 @@ def estimate(
         transforms: more variants, reported after those of ``variants``: name -> a function that changes the model
             (built under fake mode, two layers) in place or returns its replacement, whose layers then run plain
             (reference points: another library's modules, say)
+        progress: called with a line before each model is built and measured (the command line shows them)
     """
     _check(config, batch, sequence, dtype, gpus)
     unknown = [name for name in variants if name not in VARIANTS]
@@ -601,6 +603,8 @@ def estimate(
     results: dict[str, VariantEstimate] = {}
     with fake_mode():
         for base in dict.fromkeys(bases[name] for name in wanted):
+            if progress is not None:
+                progress(f"measuring {', '.join(name for name in wanted if bases[name] == base)} under fake mode")
             built = _Model(config, run.dtype, _CONVERSIONS.get(base), extra.get(base))
             if not run.parameters:
                 run.layer_parameters = built.layer_parameters

@@ -67,3 +67,28 @@ def test_memory_bad_input_is_one_line_and_exit_2(models, capsys, tmp_path, args,
     assert captured.err.count("\n") == 1 and captured.err.startswith("fewbit-design: error: ")
     assert message.format(m=models) in captured.err
     assert sorted(p.name for p in tmp_path.iterdir() if not p.name.endswith(".py") and p.name != "__pycache__") == []
+
+
+@pytest.mark.parametrize(
+    "arguments", [["mod:f", "--input-shape", "2,3"], ["--hf-config", "llama-3-8b", "--seq", "128"]]
+)
+def test_memory_without_torch_is_one_line_naming_the_install(tmp_path, arguments):
+    """In an environment without torch (a shadow package that fails as a missing one does), both forms of the
+    command say what to install in one line, exit status 2, no traceback."""
+    import subprocess
+
+    shadow = tmp_path / "torch"
+    shadow.mkdir()
+    (shadow / "__init__.py").write_text("raise ModuleNotFoundError(\"No module named 'torch'\", name='torch')\n")
+    code = "from fewbit_design.cli.main import main; main()"
+    result = subprocess.run(
+        [sys.executable, "-c", code, "memory", *arguments],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": f"{tmp_path}:{':'.join(sys.path[1:])}", "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,
+        timeout=120,
+    )
+    assert result.returncode == 2, result.stderr
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+    assert "needs torch" in result.stderr and "scripts/setup.sh" in result.stderr

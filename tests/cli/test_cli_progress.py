@@ -76,3 +76,23 @@ def test_tables_build_without_out_refuses_an_installed_package(monkeypatch):
     result = CliRunner().invoke(commands(), ["tables", "build", "--activation", "relu"])
     assert result.exit_code != 0
     assert "inside the installed package" in str(result.exception) and "--out DIR" in str(result.exception)
+
+
+def test_memory_names_its_stages_on_a_terminal_and_not_in_a_pipe(tmp_path):
+    """``memory --hf-config`` measures several models under fake mode (tens of seconds at real sizes): each stage is
+    a line on a terminal; in a pipe stderr stays empty and stdout holds only the table."""
+    import json
+
+    config = tmp_path / "tiny.json"
+    config.write_text(json.dumps({
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 3, "vocab_size": 256,
+        "max_position_embeddings": 1024,
+    }))  # fmt: skip
+    arguments = ["memory", "--hf-config", str(config), "--seq", "64"]
+    status, seen = run_on_a_terminal(arguments, timeout=300)
+    assert status == 0, seen
+    assert "measuring eager" in seen and "under fake mode ..." in seen
+    piped = subprocess.run(_cli(*arguments), capture_output=True, text=True, timeout=300)
+    assert piped.returncode == 0, piped.stderr
+    assert piped.stderr == "" and "measuring" not in piped.stdout
