@@ -158,6 +158,45 @@ def summary(rows: list[dict]) -> list[str]:
     return lines
 
 
+#: the variants drawn, in order, with their labels
+_DRAWN = {
+    "native": "unconverted PEFT",
+    "hf-checkpointing": "HF checkpointing",
+    "exact": "convert (exact)",
+    "convert": "convert()",
+    "compress8": "compress=8",
+    "compress4": "compress=4",
+}
+
+
+def figure(rows: list[dict], path: str) -> None:
+    """Bytes saved for backward against the unconverted PEFT model (left) and held-out loss ratio (right), mean over
+    the seeds with the range as error bars, one group of bars per model."""
+    plt = harness.pyplot()
+    models = list(dict.fromkeys(row["model"] for row in rows))
+    variants = [name for name in _DRAWN if any(row["variant"] == name for row in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.6))
+    width = 0.8 / len(models)
+    for panel, (key, title) in zip(
+        axes, (("saved_bytes_ratio", "bytes saved for backward (x unconverted)"),
+               ("held_out_loss_ratio", "held-out loss (x unconverted)")), strict=True
+    ):  # fmt: skip
+        for index, kind in enumerate(models):
+            values = [[float(r[key]) for r in rows if r["model"] == kind and r["variant"] == v] for v in variants]
+            means = [statistics.fmean(v) for v in values]
+            spread = [[max(0.0, m - min(v)) for m, v in zip(means, values, strict=True)],
+                      [max(0.0, max(v) - m) for m, v in zip(means, values, strict=True)]]  # fmt: skip
+            x = [position + (index - (len(models) - 1) / 2) * width for position in range(len(variants))]
+            panel.bar(x, means, width, yerr=spread, capsize=2, label=kind)
+        panel.set_xticks(range(len(variants)), [_DRAWN[name] for name in variants], rotation=25, ha="right")
+        panel.set_title(title, fontsize=10)
+        panel.grid(axis="y", alpha=0.3)
+    axes[1].set_ylim(0.98, 1.02)
+    axes[0].legend()
+    fig.suptitle("LoRA rank 8, tiny byte-level models, float32, 2-core CPU (measured; mean of the seeds)", fontsize=10)
+    print(f"wrote {harness.save_figure(fig, path, dpi=110)}")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
@@ -179,7 +218,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--corpus-bytes", type=int, default=4_000_000)
     harness.add_options(parser, threads=1, out=str(harness.RESULTS / "peft_lora.csv"))
     parser.add_argument("--quick", action="store_true", help="a few steps of a tiny model: a smoke test")
+    parser.add_argument("--figure", default=None, help="also draw the rows as a PNG")
+    parser.add_argument("--from-csv", default=None, help="draw --figure from this CSV instead of measuring")
     args = parser.parse_args(argv)
+    if args.from_csv is not None:
+        figure(harness.read_csv(args.from_csv), args.figure or "peft_lora.png")
+        return
     if args.quick:
         args.pretrain, args.steps, args.width, args.seq, args.batch, args.held_out = 4, 4, 64, 32, 4, 2
         args.corpus_bytes = min(args.corpus_bytes, 200_000)
@@ -207,6 +251,8 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(summary(rows)))
     print(f"total {time.perf_counter() - began:.0f} s")
     print(f"wrote {harness.write_csv(args.out, rows)}")
+    if args.figure is not None:
+        figure(rows, args.figure)
 
 
 if __name__ == "__main__":
