@@ -81,8 +81,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     Args:
         argv: the arguments (default: ``sys.argv[1:]``)
     """
-    with _interrupt_exits():
-        group = commands()
+    try:
+        with _interrupt_exits():
+            group = commands()
+    except KeyboardInterrupt:  # Ctrl-C in the first lines, before the handler of _interrupt_exits was installed
+        _interrupted()
     import click
 
     from ._options import PROG, Interrupted, short_help
@@ -172,8 +175,8 @@ def _interrupt_main_soon() -> None:
 def _interrupted() -> None:
     """Ctrl-C: one line and exit status 130. Clean-up has run on the way here (temporary files, worker processes);
     a further Ctrl-C while exiting is ignored rather than printed as a traceback."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import click
 
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
     click.echo(_interrupted_line(sys.stderr.isatty()).decode(), err=True, nl=False)
     sys.exit(130)
