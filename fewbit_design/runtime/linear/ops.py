@@ -17,8 +17,9 @@ the op is not used (the native call saves only the weight).
 Shared inputs: a tensor computed in the forward (it has a ``grad_fn``) that several layers take, such as the
 normalised hidden state feeding the q, k and v projections or a gated MLP's gate and up projections, is quantized
 once per (bits, group size, rounding): the layers save one set of codes, as native saves one x. An input the caller
-created (no ``grad_fn``) is quantized afresh at every call. Under ``torch.compile`` every layer quantizes its input
-itself (no sharing). In eager the op runs as its autograd.Function twin (:mod:`fewbit_design.runtime._eager`).
+created (no ``grad_fn``) is quantized afresh at every call. Under ``torch.compile`` the codes a module hands over
+with :func:`share_codes` (a compressed norm's output) are shared the same way; layers that share an input no module
+handed codes of quantize it each. In eager the op runs as its autograd.Function twin (:mod:`fewbit_design.runtime._eager`).
 
 Custom ops (``torch.library``, fake kernels, ``register_autograd``): ``fewbit::compressed_linear`` (this op),
 ``fewbit::group_quantize`` and ``fewbit::group_dequantize`` (:mod:`.quant`).
@@ -123,7 +124,9 @@ class _SharedCodes:
         return (x.data_ptr(), x.stride(), options)
 
     def get(self, x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling() or x.grad_fn is None:
+        if torch.compiler.is_compiling():
+            return _traced_get(x, options, make)
+        if x.grad_fn is None:
             return make()
         with self._lock:
             entry = self._entries.get(self._key(x, options))
@@ -136,8 +139,12 @@ class _SharedCodes:
         return codes
 
     def put(self, x: torch.Tensor, options: tuple, codes: tuple[torch.Tensor, torch.Tensor]) -> None:
-        """Record ``codes`` as x's for these options (eager tensors computed in the forward only)."""
-        if torch.compiler.is_compiling() or x.grad_fn is None:
+        """Record ``codes`` as x's for these options (eager tensors computed in the forward only; under
+        ``torch.compile``, on the traced tensor itself: :func:`_traced_get`)."""
+        if torch.compiler.is_compiling():
+            setattr(x, _TRACED_CODES, {**getattr(x, _TRACED_CODES, {}), options: codes})
+            return
+        if x.grad_fn is None:
             return
         key = self._key(x, options)
         owner = x if x._base is None else x._base  # a view's base holds the storage (and lives as long as the view)
@@ -153,6 +160,22 @@ class _SharedCodes:
 
 
 _SHARED = _SharedCodes()
+
+#: the attribute of a traced tensor holding the codes its producer handed over under ``torch.compile``
+_TRACED_CODES = "_fewbit_codes"
+
+
+def _traced_get(x: torch.Tensor, options: tuple, make) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under ``torch.compile``: the codes the module that computed x handed over (:func:`share_codes`), else new
+    ones. Dynamo traces the attribute as a side effect on the traced tensor, so the layers reading the norm's output
+    (q, k and v) read one node of the graph and the graph keeps one set of codes, as eager does. Only producers
+    record codes, on a tensor they made in this step (an intermediate, whose attribute ends with the trace, or the
+    output of an earlier graph of the same step, which carries them to the next); codes a layer makes are not
+    recorded, since its input may be a graph input, which would carry them past the call."""
+    found = getattr(x, _TRACED_CODES, None)
+    if found is not None and options in found:
+        return found[options]
+    return make()
 
 
 def _codes(x: torch.Tensor, bits: int, group_size: int, stochastic: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -171,8 +194,10 @@ def share_codes(
     compressed linear layer reading x with the same options saves, instead of quantizing x again: a module that
     computes x and keeps its codes itself (a memory-sharing norm in compressed mode) and the layers after it then
     keep one set. A layer fed a view of the same elements (same address, shape, strides, dtype) finds them too: the
-    attention core hands its output's codes to the output projection, which reads a reshaped view of it. Eager only
-    (under ``torch.compile`` each layer quantizes its input itself); ignored for a tensor without ``grad_fn``.
+    attention core hands its output's codes to the output projection, which reads a reshaped view of it. Under
+    ``torch.compile`` the codes ride on the traced tensor itself (:func:`_traced_get`: give a tensor the producer made
+    with a single-output op, such as ``y.view(y.shape)``, which dynamo tracks); in eager they are found by address,
+    and ignored for a tensor without ``grad_fn``.
 
     Args:
         x: the tensor the codes are of

@@ -579,6 +579,8 @@ def norm_and_kept_count(
     arguments = (x, weight, bias, kind, normalized_ndim, eps, threshold, bits, group_size, seed, static)
     operator = torch.ops.fewbit.norm_forward_compressed if tracing(x, weight) else _NormCompressedEager.apply
     y, _, channels, _, packed, scales = operator(*arguments)
+    if torch.compiler.is_compiling():  # a tensor of one op's output, on which dynamo tracks the codes (linear.ops)
+        y = y.view(y.shape)
     share_codes(y, (packed, scales), bits=bits, group_size=group_size, rounding="stochastic")
     return y, channels.shape[0]
 
