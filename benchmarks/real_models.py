@@ -88,28 +88,31 @@ def batches(data: torch.Tensor, count: int, batch: int, seq: int, seed: int) -> 
 # Models
 
 
-def build(kind: str, layers: int, width: int, seq: int) -> torch.nn.Module:
+def build(kind: str, layers: int, width: int, seq: int, *, dropout: float = 0.0) -> torch.nn.Module:
+    """A ``kind`` model of ``layers`` layers at ``width``, for ``seq`` tokens, built from its config (seeded by the
+    caller). ``dropout``: the probability of every dropout place of the config (GPT-2: residual, embedding and
+    attention; LLaMA: attention; BERT: hidden and attention); 0 by default."""
     t = transformers
     heads = max(2, width // 32)
     if kind.startswith("gpt2"):
         config = t.GPT2Config(
             n_layer=layers, n_embd=width, n_head=heads, vocab_size=VOCAB, n_positions=seq,
             activation_function="gelu_new" if kind == "gpt2-gelu_new" else "gelu",
-            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=dropout, embd_pdrop=dropout, attn_pdrop=dropout, bos_token_id=0, eos_token_id=0,
         )  # fmt: skip
         return t.GPT2LMHeadModel(config)
     if kind == "llama":
         config = t.LlamaConfig(
             num_hidden_layers=layers, hidden_size=width, intermediate_size=round(width * 11008 / 4096 / 8) * 8,
             num_attention_heads=heads, num_key_value_heads=heads, vocab_size=VOCAB, max_position_embeddings=seq,
-            bos_token_id=0, eos_token_id=0, pad_token_id=None,
+            bos_token_id=0, eos_token_id=0, pad_token_id=None, attention_dropout=dropout,
         )  # fmt: skip
         return t.LlamaForCausalLM(config)
     if kind == "bert":
         config = t.BertConfig(
             num_hidden_layers=layers, hidden_size=width, intermediate_size=4 * width, num_attention_heads=heads,
-            vocab_size=VOCAB + 1, max_position_embeddings=seq + 1, hidden_dropout_prob=0.0,
-            attention_probs_dropout_prob=0.0, pad_token_id=0,
+            vocab_size=VOCAB + 1, max_position_embeddings=seq + 1, hidden_dropout_prob=dropout,
+            attention_probs_dropout_prob=dropout, pad_token_id=0,
         )  # fmt: skip
         return t.BertForMaskedLM(config)
     raise ValueError(kind)

@@ -59,3 +59,25 @@ def test_seeds_give_mean_and_spread_and_merge_keeps_the_other_rows(tmp_path, cap
     assert merged[2]["held_out_loss"] == rows[2]["held_out_loss"]  # the native run is deterministic
     module.main([*common, "--report"])
     assert "exact        seeds 1:" in capsys.readouterr().out
+
+
+def test_dropout_builds_the_models_with_dropout_and_convert_runs(tmp_path):
+    spec = importlib.util.spec_from_file_location("transformer_loss", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "loss.csv"
+    argv = ["--quick", "--models", "gpt2-gelu_new,bert", "--jobs", "1", "--out", str(out)]
+    module.main([*argv, "--dropout", "0.1", "--variants", "native,convert,convert8"])
+    rows = list(csv.DictReader(open(tmp_path / "loss-quick.csv")))
+    assert [(row["model"], row["variant"]) for row in rows] == [
+        (model, variant) for model in ("bert", "gpt2-gelu_new") for variant in ("native", "convert", "convert8")
+    ]
+    for row in rows:
+        assert math.isfinite(float(row["held_out_loss"])) and abs(float(row["held_out_loss_ratio"]) - 1) < 0.05
+    # with dropout the converted models keep 1-bit masks and no sequence x sequence attention tensors: fewer bytes
+    assert all(float(row["saved_bytes_ratio"]) < 1 for row in rows if row["variant"] != "native")
+    model = module.real_models.build("bert", 1, 64, 8, dropout=0.1)
+    assert model.config.hidden_dropout_prob == model.config.attention_probs_dropout_prob == 0.1
+    assert module.real_models.build("gpt2-gelu_new", 1, 64, 8).config.attn_pdrop == 0.0  # the default is unchanged
+    with pytest.raises(SystemExit):
+        module.main([*argv, "--models", "t5"])
