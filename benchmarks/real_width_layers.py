@@ -1,12 +1,16 @@
 """Bytes one real-width layer saves for backward with its default config (dropout as users fine-tune), native against
 ``runtime.convert`` and ``runtime.convert(compress=8)``, and the targets they are held to.
 
-    python benchmarks/real_width_layers.py [--layers bert-large gpt2-xl llama-3-8b] [--compiled] [--threads 0]
+    python benchmarks/real_width_layers.py [--layers bert-large gpt2-xl llama-3-8b ...] [--tokens 4096] [--compiled]
 
 Each layer is the one block of a 1-layer Hugging Face model built from the named width (``memory.saved_bytes`` on the
 block, a batch of one sequence, bfloat16, real tensors: bytes are exact and scale with depth): BERT-large (1024, 16
 heads, dropout 0.1) at 512 tokens, GPT-2-XL (1600, 25 heads, dropout 0.1) at 1024, Llama-3-8B (4096, 32 heads, 8
-key/value heads, intermediate 14336, no dropout) at 1024. ``runtime.convert`` converts the whole model (its probe
+key/value heads, intermediate 14336, no dropout) at 1024; and without targets, Mistral-7B (Llama-3-8B's layer
+shapes, rope theta 1e6) at 1024 and 4096, T5-large (1024, 16 heads, 4096 ReLU MLP, dropout 0.1, relative position
+bias in its first layer) at 512 and ViT-L/16 (1024, 16 heads, no dropout) at its 197 tokens (224 px). Layers whose
+block takes more than hidden states (T5, ViT, Mistral) run once inside their model, which records the block's
+arguments, then alone on them. ``runtime.convert`` converts the whole model (its probe
 decides what stays), then the block runs alone on random hidden states that are not a leaf (as the previous layer's
 output: counted where the block keeps it). Candidates: native;
 ``convert`` with ``attention=False`` (what the attention core adds) and with ``dropout=False`` (without the 1-bit
@@ -36,6 +40,15 @@ TARGETS = {
     "gpt2-xl": (1024, {"convert": (0.15, "x"), "compress=8": (0.08, "x")}),
     "llama-3-8b": (1024, {"convert": (94.0, "KiB"), "compress=8": (0.22, "x")}),
 }
+#: name -> tokens measured (the first also where the name has a target)
+TOKENS = {
+    "bert-large": (512,),
+    "gpt2-xl": (1024,),
+    "llama-3-8b": (1024, 4096),
+    "mistral-7b": (1024, 4096),
+    "t5-large": (512,),
+    "vit-l-16": (197,),
+}
 #: candidate -> runtime.convert keywords (None: native)
 CANDIDATES = {
     "native": None,
@@ -45,6 +58,7 @@ CANDIDATES = {
     "compress=8, attention=False": {"compress": 8, "attention": False},
     "compress=8, dropout=False": {"compress": 8, "dropout": False},
     "compress=8": {"compress": 8},
+    "compress=4": {"compress": 4},
 }
 
 
@@ -62,27 +76,65 @@ def build(name: str):
     elif name == "gpt2-xl":
         config = t.GPT2Config(n_embd=1600, n_head=25, n_layer=1, n_positions=1024, use_cache=False, **common)
         model = t.GPT2LMHeadModel(config)
+    elif name == "t5-large":
+        config = t.T5Config(d_model=1024, d_kv=64, d_ff=4096, num_heads=16, num_layers=1, **common)
+        model = t.T5EncoderModel(config)
+    elif name == "vit-l-16":
+        config = t.ViTConfig(hidden_size=1024, num_attention_heads=16, intermediate_size=4096, num_hidden_layers=1,
+                             image_size=224, patch_size=16, attn_implementation="sdpa")  # fmt: skip
+        model = t.ViTModel(config, add_pooling_layer=False)
     else:
+        theta = 500000.0 if name == "llama-3-8b" else 1e6
         config = t.LlamaConfig(hidden_size=4096, num_attention_heads=32, num_key_value_heads=8, intermediate_size=14336,
-                               num_hidden_layers=1, max_position_embeddings=8192, rope_theta=500000.0,
+                               num_hidden_layers=1, max_position_embeddings=8192, rope_theta=theta,
                                use_cache=False, **common)  # fmt: skip
         model = t.LlamaForCausalLM(config)
     return model.to(torch.bfloat16).train()
 
 
 def _block_of(name: str, model):
-    return {"bert-large": lambda: model.encoder.layer[0], "gpt2-xl": lambda: model.transformer.h[0]}.get(
-        name, lambda: model.model.layers[0]
-    )()
+    blocks = {
+        "bert-large": lambda: model.encoder.layer[0],
+        "gpt2-xl": lambda: model.transformer.h[0],
+        "t5-large": lambda: model.encoder.block[0],
+        "vit-l-16": lambda: model.layers[0],
+    }
+    return blocks.get(name, lambda: model.model.layers[0])()
 
 
-def _keywords(name: str, model, hidden):
+def _model_input(name: str, model, tokens: int):
+    """Keywords of one batch of ``tokens`` tokens for the whole model (ViT: one 224 px image)."""
     import torch
 
-    if name != "llama-3-8b":
-        return {}
-    positions = torch.arange(hidden.shape[1])[None]
-    return {"position_embeddings": model.model.rotary_emb(hidden, positions), "attention_mask": None}
+    generator = torch.Generator().manual_seed(1)
+    if name == "vit-l-16":
+        return {"pixel_values": torch.randn(1, 3, 224, 224, generator=generator).to(torch.bfloat16)}
+    return {"input_ids": torch.randint(0, 256, (1, tokens), generator=generator)}
+
+
+def _arguments(name: str, model, tokens: int) -> tuple[tuple, dict]:
+    """The block's positional and keyword arguments, recorded in one forward of the whole model (the hidden states
+    replaced by random ones that are not a leaf, as the previous layer's output: counted where the block keeps them)."""
+    import torch
+
+    block, recorded = _block_of(name, model), {}
+
+    def record(_module, arguments, keywords):
+        recorded["call"] = (arguments, dict(keywords))
+
+    handle = block.register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        with torch.no_grad():
+            model(**_model_input(name, model, tokens))
+    finally:
+        handle.remove()
+    arguments, keywords = recorded["call"]
+    shape = arguments[0].shape if arguments else keywords["hidden_states"].shape
+    hidden = torch.randn(*shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    hidden = hidden.requires_grad_() * 1.0
+    if arguments:
+        return (hidden, *arguments[1:]), keywords
+    return (), {**keywords, "hidden_states": hidden}
 
 
 def block_bytes(name: str, model, tokens: int, compiled: bool) -> int:
@@ -93,31 +145,27 @@ def block_bytes(name: str, model, tokens: int, compiled: bool) -> int:
     from fewbit_design.runtime import memory
 
     block = _block_of(name, model)
-    hidden = torch.randn(1, tokens, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
-    # not a leaf: the previous layer's output, which the block's bytes include where the block keeps it
-    hidden = hidden.to(torch.bfloat16).requires_grad_() * 1.0
-    keywords = _keywords(name, model, hidden)
+    arguments, keywords = _arguments(name, model, tokens)
     forward = block
     if compiled:
         torch._dynamo.reset()
         forward = torch.compile(block, backend="aot_eager_decomp_partition")
-        forward(hidden, **keywords)  # compiles
+        forward(*arguments, **keywords)  # compiles
     torch.manual_seed(2)
     with memory.saved_bytes(block) as saved:
-        out = forward(hidden, **keywords)
+        out = forward(*arguments, **keywords)
     del out
     if compiled:
         torch._dynamo.reset()
     return saved.total
 
 
-def measure(name: str, compiled: bool) -> list[dict]:
+def measure(name: str, tokens: int, compiled: bool, candidates: dict) -> list[dict]:
     from fewbit_design import runtime
 
-    tokens, _ = TARGETS[name]
     native = build(name)
     rows, found = [], {}
-    for candidate, keywords in CANDIDATES.items():
+    for candidate, keywords in candidates.items():
         model = native if keywords is None else runtime.convert(copy.deepcopy(native), **keywords)
         for mode in ("eager", "compiled") if compiled else ("eager",):
             total = block_bytes(name, model, tokens, mode == "compiled")
@@ -136,8 +184,8 @@ def check(rows: list[dict]) -> list[str]:
     """One line per target: the eager value against its bound."""
     lines = []
     for row in rows:
-        targets = TARGETS[row["layer"]][1]
-        if row["mode"] != "eager" or row["candidate"] not in targets:
+        tokens, targets = TARGETS.get(row["layer"], (None, {}))
+        if row["mode"] != "eager" or row["candidate"] not in targets or row["tokens"] != tokens:
             continue
         bound, unit = targets[row["candidate"]]
         value = row["ratio"] if unit == "x" else row["kib_per_token"]
@@ -148,16 +196,26 @@ def check(rows: list[dict]) -> list[str]:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--layers", nargs="+", default=list(TARGETS), choices=list(TARGETS))
+    parser.add_argument("--layers", nargs="+", default=list(TARGETS), choices=list(TOKENS))
+    parser.add_argument("--tokens", type=int, nargs="+", default=None, help="tokens (default: TOKENS of each layer)")
+    parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--compiled", action="store_true", help="also run each block under torch.compile")
+    parser.add_argument("--merge", action="store_true", help="keep the rows of --out that this run does not redo")
     harness.add_options(parser, out=str(harness.RESULTS / "real_width_layers.csv"), threads=0)
     args = parser.parse_args(argv)
     harness.set_threads(args.threads)
+    candidates = {name: CANDIDATES[name] for name in ("native", *args.candidates)}
     rows = []
     for name in args.layers:
-        rows.extend(measure(name, args.compiled))
+        for tokens in args.tokens or TOKENS[name]:
+            rows.extend(measure(name, tokens, args.compiled, candidates))
     for line in check(rows):
         print(line)
+    if args.merge and Path(args.out).exists():
+        redone = {(row["layer"], str(row["tokens"]), row["candidate"], row["mode"]) for row in rows}
+        kept = [row for row in harness.read_csv(args.out)
+                if (row["layer"], row["tokens"], row["candidate"], row["mode"]) not in redone]  # fmt: skip
+        rows = kept + rows
     harness.write_csv(args.out, rows)
     return rows
 
