@@ -5,6 +5,7 @@ The README's shell commands (fenced ``bash`` blocks, and inline code that starts
 added to the README, or dropped from CI, fails here. The README's Python example runs here as written.
 """
 
+import json
 import os
 import re
 import subprocess
@@ -30,6 +31,10 @@ WHERE_RUN = {
     "mkdocs build --strict": ("tests/test_docs.py", '"mkdocs", "build", "--strict"'),
     "bash scripts/setup.sh design": ("tests/test_setup_script.py", '(["design"], [["install", "--quiet", "-e", "."]])'),
     'pip install "fewbit-design[models]"': ("tests/test_setup_script.py", "def test_the_models_extra_brings_torch"),
+    "fewbit-design memory --hf-config llama-3-8b --seq 8192 --gpus 8 --fsdp": (
+        "tests/test_readme.py",
+        '["memory", "--hf-config", "llama-3-8b", "--seq", "8192", "--gpus", "8", "--fsdp"',
+    ),
 }
 
 
@@ -98,3 +103,28 @@ def test_the_readme_python_example_runs(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "replaced 2 module(s)" in result.stdout
+
+
+@pytest.mark.slow
+def test_the_readme_fits_table_is_what_the_command_prints(tmp_path: Path) -> None:
+    """The README's Llama-3-8B table: the peaks (measured) and step times (predicted) the memory command prints, and
+    the one-GPU state (counted) from the same parameters."""
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from fewbit_design.cli import main
+    from fewbit_design.runtime.estimate import parameter_bytes
+
+    path = tmp_path / "rows.json"
+    with pytest.raises(SystemExit) as exited:
+        main(["memory", "--hf-config", "llama-3-8b", "--seq", "8192", "--gpus", "8", "--fsdp", "--json", str(path)])
+    assert exited.value.code in (0, None)
+    data = json.loads(path.read_text())
+    rows = {row["name"]: row for row in data["rows"]}
+    names = ("eager", "checkpointing", "convert", "convert(compress=8)")
+    peaks = [f"{rows[n]['peak_bytes'] / 1e9:.1f}{'' if rows[n]['fits'] else ' (does not fit)'}" for n in names]
+    times = [f"{rows[n]['predicted_step_s']:.3g}" for n in names]
+    text = README.read_text()
+    assert f"| step peak, GB (measured, fake mode) | {' | '.join(peaks)} |" in text
+    assert f"| step time, s (predicted, roofline) | {' | '.join(times)} |" in text
+    state = sum(parameter_bytes(data["parameters"], dtype_size=2, master_weights=True, shards=1).values())
+    assert state > 80 * 10**9 and f"optimizer state alone are {state / 1e9:.1f} GB" in " ".join(text.split())
