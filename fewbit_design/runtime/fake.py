@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import importlib.util
 import sys
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -138,7 +139,8 @@ def fake_mode() -> Iterator[FakeTensorMode]:
     ``trunc_normal_`` leaves fake tensors alone. Everything is put back on exit."""
     with contextlib.ExitStack() as stack:
         masking = sys.modules.get("transformers.masking_utils")
-        if masking is None and "transformers" in sys.modules:
+        if masking is None and importlib.util.find_spec("transformers") is not None:
+            # imported now if installed: a model built inside the block would import it after the patch was decided
             import transformers.masking_utils as masking
         if masking is not None:
             stack.enter_context(_patched(masking, _full_batch_masks(masking)))

@@ -182,3 +182,34 @@ def test_fewbit_codes_of_a_small_input_are_counted_in_the_peak():
         live = peak.live_bytes
     assert y.shape == x.shape
     assert live == 1000 * 4 + (1000 // 8) * 3  # y and the 3-bit codes
+
+
+def test_transformers_imported_inside_the_block_gets_the_full_batch_masks_too():
+    """A script that enters ``fake_mode()`` before it imports transformers (a fresh process) measures as real."""
+    import subprocess
+    import sys
+
+    script = """
+import torch
+from fewbit_design.runtime import memory
+from fewbit_design.runtime.fake import fake_mode
+
+def measure():
+    import transformers
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                                      num_hidden_layers=1, vocab_size=64, use_cache=False)
+    model = transformers.LlamaForCausalLM(config).train()
+    ids = torch.randint(0, 64, (2, 32))
+    with memory.saved_bytes(model) as saved:
+        model(input_ids=ids)
+    return saved.total
+
+with fake_mode():
+    fake = measure()
+print(fake, measure())
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr[-2000:]
+    fake, real = map(int, result.stdout.split())
+    assert fake == real
