@@ -209,15 +209,48 @@ class _Activation(FewBitModule):
         return ", ".join(parts)
 
 
-class ReLU(_Activation):
-    """Few-bit :class:`torch.nn.ReLU`."""
+class _NoArguments(_Activation):
+    """An activation whose torch.nn class takes no arguments."""
 
-    activation = "relu"
+    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self._setup(bits, weight, mode, table)
+
+
+class _InplaceOnly(_Activation):
+    """An activation whose torch.nn class takes only ``inplace``."""
 
     def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
         super().__init__()
         self.inplace = inplace
         self._setup(bits, weight, mode, table)
+
+
+class _AlphaInplace(_Activation):
+    """An activation whose torch.nn class takes ``alpha`` and ``inplace`` (ELU, CELU)."""
+
+    def __init__(
+        self, alpha: float = 1.0, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None
+    ):
+        super().__init__()
+        self.alpha = alpha
+        self.inplace = inplace
+        self._setup(bits, weight, mode, table)
+
+
+class _Lambd(_Activation):
+    """A shrink activation whose torch.nn class takes only ``lambd``."""
+
+    def __init__(self, lambd: float = 0.5, *, bits=3, weight="uniform", mode="levelsets", table=None):
+        super().__init__()
+        self.lambd = lambd
+        self._setup(bits, weight, mode, table)
+
+
+class ReLU(_InplaceOnly):
+    """Few-bit :class:`torch.nn.ReLU`."""
+
+    activation = "relu"
 
     @fused_relu  # the CPU forward may compute relu in the codes kernel's pass
     def _native(self, input):
@@ -264,49 +297,28 @@ class LeakyReLU(_Activation):
         return F.leaky_relu(input, self.negative_slope)
 
 
-class ELU(_Activation):
+class ELU(_AlphaInplace):
     """Few-bit :class:`torch.nn.ELU`."""
 
     activation = "elu"
-
-    def __init__(
-        self, alpha: float = 1.0, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None
-    ):
-        super().__init__()
-        self.alpha = alpha
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.elu(input, self.alpha)
 
 
-class CELU(_Activation):
+class CELU(_AlphaInplace):
     """Few-bit :class:`torch.nn.CELU`."""
 
     activation = "celu"
-
-    def __init__(
-        self, alpha: float = 1.0, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None
-    ):
-        super().__init__()
-        self.alpha = alpha
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.celu(input, self.alpha)
 
 
-class SELU(_Activation):
+class SELU(_InplaceOnly):
     """Few-bit :class:`torch.nn.SELU`."""
 
     activation = "selu"
-
-    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.selu(input)
@@ -326,55 +338,37 @@ class GELU(_Activation):
         return F.gelu(input, approximate=self.approximate)
 
 
-class SiLU(_Activation):
+class SiLU(_InplaceOnly):
     """Few-bit :class:`torch.nn.SiLU`."""
 
     activation = "silu"
-
-    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.silu(input)
 
 
-class Mish(_Activation):
+class Mish(_InplaceOnly):
     """Few-bit :class:`torch.nn.Mish`."""
 
     activation = "mish"
-
-    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.mish(input)
 
 
-class Sigmoid(_Activation):
+class Sigmoid(_NoArguments):
     """Few-bit :class:`torch.nn.Sigmoid`."""
 
     activation = "sigmoid"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return torch.sigmoid(input)
 
 
-class Tanh(_Activation):
+class Tanh(_NoArguments):
     """Few-bit :class:`torch.nn.Tanh`."""
 
     activation = "tanh"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return torch.tanh(input)
@@ -397,14 +391,10 @@ class Softplus(_Activation):
         return F.softplus(input, self.beta, self.threshold)
 
 
-class Softsign(_Activation):
+class Softsign(_NoArguments):
     """Few-bit :class:`torch.nn.Softsign`."""
 
     activation = "softsign"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.softsign(input)
@@ -444,83 +434,55 @@ class Hardtanh(_Activation):
         return F.hardtanh(input, self.min_val, self.max_val)
 
 
-class Hardsigmoid(_Activation):
+class Hardsigmoid(_InplaceOnly):
     """Few-bit :class:`torch.nn.Hardsigmoid`."""
 
     activation = "hardsigmoid"
-
-    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.hardsigmoid(input)
 
 
-class Hardswish(_Activation):
+class Hardswish(_InplaceOnly):
     """Few-bit :class:`torch.nn.Hardswish`."""
 
     activation = "hardswish"
-
-    def __init__(self, inplace: bool = False, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.inplace = inplace
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.hardswish(input)
 
 
-class LogSigmoid(_Activation):
+class LogSigmoid(_NoArguments):
     """Few-bit :class:`torch.nn.LogSigmoid`."""
 
     activation = "logsigmoid"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.logsigmoid(input)
 
 
-class Tanhshrink(_Activation):
+class Tanhshrink(_NoArguments):
     """Few-bit :class:`torch.nn.Tanhshrink`."""
 
     activation = "tanhshrink"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.tanhshrink(input)
 
 
-class Softshrink(_Activation):
+class Softshrink(_Lambd):
     """Few-bit :class:`torch.nn.Softshrink`."""
 
     activation = "softshrink"
-
-    def __init__(self, lambd: float = 0.5, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.lambd = lambd
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.softshrink(input, self.lambd)
 
 
-class Hardshrink(_Activation):
+class Hardshrink(_Lambd):
     """Few-bit :class:`torch.nn.Hardshrink`."""
 
     activation = "hardshrink"
-
-    def __init__(self, lambd: float = 0.5, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self.lambd = lambd
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return F.hardshrink(input, self.lambd)
@@ -552,27 +514,19 @@ class Threshold(_Activation):
         return F.threshold(input, self.threshold, self.value)
 
 
-class QuickGELU(_Activation):
+class QuickGELU(_NoArguments):
     """Few-bit x * sigmoid(1.702 x): Hugging Face's ``QuickGELUActivation``, timm's ``QuickGELU`` (not in torch.nn)."""
 
     activation = "quick_gelu"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return quick_gelu_native(input)
 
 
-class ReLUSquared(_Activation):
+class ReLUSquared(_NoArguments):
     """Few-bit relu(x) ** 2: Hugging Face's ``ReLUSquaredActivation`` (no torch.nn class)."""
 
     activation = "relu_squared"
-
-    def __init__(self, *, bits=3, weight="uniform", mode="levelsets", table=None):
-        super().__init__()
-        self._setup(bits, weight, mode, table)
 
     def _native(self, input):
         return relu_squared_native(input)
