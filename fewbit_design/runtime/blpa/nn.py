@@ -6,7 +6,9 @@ See :mod:`fewbit_design.runtime.blpa` for the method.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
@@ -411,11 +413,38 @@ class _FusedUnit(NotScriptable, nn.Module):
         if isinstance(op, nn.Conv2d) and op.padding_mode != "zeros":
             raise FewBitError(f"{context}: Conv2d padding_mode={op.padding_mode!r} is not supported, only 'zeros'")
 
+    def _build(
+        self,
+        context: str,
+        features: int,
+        parts: list[nn.Module],
+        make_op: Callable[..., nn.Module],
+        bits: int | None,
+        naive: bool,
+        eps: float,
+        momentum: float | None,
+        device: Any,
+        dtype: torch.dtype | None,
+    ) -> None:
+        """The units' ``__init__``: ``bits`` checked, a new BatchNorm of ``features`` channels, ``parts`` and the op
+        ``make_op(device=device, dtype=dtype)``."""
+        bits = _check_unit_bits(context, bits, naive)
+        factory = {"device": device, "dtype": dtype}
+        bn = self._bn_type(features, eps=eps, momentum=momentum, **factory)
+        self._setup(bn, parts, make_op(**factory), bits, naive)
+
     @classmethod
-    def _from_parts(cls, bn, parts, op, bits, naive):
+    def _fuse(
+        cls, context: str, bn: nn.Module, relu: nn.Module, op: nn.Module, in_size: int, bits: int | None, naive: bool
+    ) -> _FusedUnit:
+        """The units' ``from_modules``: the parts checked, then reused (parameters stay shared)."""
+        bits = _check_unit_bits(context, bits, naive)
+        cls._validate_parts(context, bn, relu, op, in_size)
+        if isinstance(op, nn.Conv2d):
+            _explicit_padding(context, op)
         unit = cls.__new__(cls)
         nn.Module.__init__(unit)
-        unit._setup(bn, parts, op, bits, naive)
+        unit._setup(bn, [relu], op, bits, naive)
         return unit
 
 
@@ -474,11 +503,8 @@ class BNReLUConv2d(_FusedUnit):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        bits = _check_unit_bits("BNReLUConv2d", bits, naive)
-        factory = {"device": device, "dtype": dtype}
-        bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, **factory)
-        conv = nn.Conv2d(in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias, **factory)
-        self._setup(bn, [nn.ReLU()], conv, bits, naive)
+        make_op = partial(nn.Conv2d, in_channels, out_channels, kernel_size, stride, padding, dilation, groups, bias)
+        self._build("BNReLUConv2d", in_channels, [nn.ReLU()], make_op, bits, naive, eps, momentum, device, dtype)
 
     @classmethod
     def from_modules(
@@ -488,11 +514,7 @@ class BNReLUConv2d(_FusedUnit):
 
         Raises FewBitError for anything but ``BatchNorm2d(affine=True) -> ReLU -> Conv2d`` with matching channels.
         """
-        context = "BNReLUConv2d.from_modules"
-        bits = _check_unit_bits(context, bits, naive)
-        cls._validate_parts(context, bn, relu, conv, getattr(conv, "in_channels", -1))
-        _explicit_padding(context, conv)
-        return cls._from_parts(bn, [relu], conv, bits, naive)
+        return cls._fuse("BNReLUConv2d.from_modules", bn, relu, conv, getattr(conv, "in_channels", -1), bits, naive)
 
 
 class BNReLULinear(_FusedUnit):
@@ -532,21 +554,15 @@ class BNReLULinear(_FusedUnit):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        bits = _check_unit_bits("BNReLULinear", bits, naive)
-        factory = {"device": device, "dtype": dtype}
-        bn = nn.BatchNorm1d(in_features, eps=eps, momentum=momentum, **factory)
-        linear = nn.Linear(in_features, out_features, bias, **factory)
-        self._setup(bn, [nn.ReLU()], linear, bits, naive)
+        make_op = partial(nn.Linear, in_features, out_features, bias)
+        self._build("BNReLULinear", in_features, [nn.ReLU()], make_op, bits, naive, eps, momentum, device, dtype)
 
     @classmethod
     def from_modules(
         cls, bn: nn.Module, relu: nn.Module, linear: nn.Module, *, bits: int | None = 4, naive: bool = False
     ) -> BNReLULinear:
         """Fuse existing ``bn``, ``relu`` and ``linear`` modules (reused: parameters stay shared)."""
-        context = "BNReLULinear.from_modules"
-        bits = _check_unit_bits(context, bits, naive)
-        cls._validate_parts(context, bn, relu, linear, getattr(linear, "in_features", -1))
-        return cls._from_parts(bn, [relu], linear, bits, naive)
+        return cls._fuse("BNReLULinear.from_modules", bn, relu, linear, getattr(linear, "in_features", -1), bits, naive)
 
 
 class BNReLUPoolLinear(_FusedUnit):
@@ -587,8 +603,6 @@ class BNReLUPoolLinear(_FusedUnit):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        bits = _check_unit_bits("BNReLUPoolLinear", bits, naive)
-        factory = {"device": device, "dtype": dtype}
-        bn = nn.BatchNorm2d(in_channels, eps=eps, momentum=momentum, **factory)
-        linear = nn.Linear(in_channels, out_features, bias, **factory)
-        self._setup(bn, [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()], linear, bits, naive)
+        parts = [nn.ReLU(), nn.AdaptiveAvgPool2d(1), nn.Flatten()]
+        make_op = partial(nn.Linear, in_channels, out_features, bias)
+        self._build("BNReLUPoolLinear", in_channels, parts, make_op, bits, naive, eps, momentum, device, dtype)
