@@ -74,7 +74,8 @@ from .ops import (
     SECOND_ORDER_MESSAGE,
     _activation,
     _activation_backward,
-    _linear,
+    _gated_forward,
+    _wanted_grads,
     gated_mlp_reference,
     prepare_inputs,
 )
@@ -118,11 +119,7 @@ def _forward_impl(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(y, gate's packed codes and scales, up's packed codes and scales) for a 2-D x. x's codes are not read here:
     they are inputs so that autograd's setup keeps them for backward."""
-    if w_up is None:
-        gate, up = _linear(x, w_gate, b_gate).chunk(2, dim=-1)
-    else:
-        gate, up = _linear(x, w_gate, b_gate), _linear(x, w_up, b_up)
-    y = _linear(_activation(gate, activation) * up, w_down, b_down)
+    y, gate, up = _gated_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
     gate_packed, gate_scales = quantize_groups(gate, bits, group_size, stochastic=stochastic, seed=int(seed))
     # an independent stream for up (seed + 1): correlated rounding of gate and up would correlate a~ and up~
     up_packed, up_scales = quantize_groups(up, bits, group_size, stochastic=stochastic, seed=int(seed) + 1)
@@ -319,7 +316,7 @@ def _backward(ctx, grad, *_):
     has_b_gate, has_b_up, has_b_down = ctx.biases
     bias_grad = bool(has_b_gate and needs[2] or has_b_up and needs[4] or has_b_down and needs[6])
     operator = torch.ops.fewbit.gated_mlp_compressed_backward if tracing(grad, x_packed) else _backward_impl
-    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = operator(
+    grads = operator(
         grad.contiguous(),
         x_packed,
         x_scales,
@@ -335,16 +332,7 @@ def _backward(ctx, grad, *_):
         weight_grad,
         bias_grad,
     )  # fmt: skip
-    return (
-        grad_x if needs[0] else None,
-        grad_w_gate if needs[1] else None,
-        grad_b_gate if has_b_gate and needs[2] else None,
-        grad_w_up if w_up is not None and needs[3] else None,
-        grad_b_up if has_b_up and needs[4] else None,
-        grad_w_down if needs[5] else None,
-        grad_b_down if has_b_down and needs[6] else None,
-        *(None,) * (_INPUTS - 7),
-    )
+    return (*_wanted_grads(grads, needs, ctx.biases, w_up is None), *(None,) * (_INPUTS - 7))
 
 
 torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)

@@ -102,11 +102,17 @@ def gated_mlp_reference(
         b_down: down bias or None
         activation: one of :data:`ACTIVATIONS`
     """
+    return _gated_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)[0]
+
+
+def _gated_forward(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
+    """``(y, gate, up)`` in plain torch, the arguments as :func:`gated_mlp_reference`'s (in the fused layout, gate and
+    up are views of one projection)."""
     if w_up is None:
         gate, up = _linear(x, w_gate, b_gate).chunk(2, dim=-1)
     else:
         gate, up = _linear(x, w_gate, b_gate), _linear(x, w_up, b_up)
-    return _linear(_activation(gate, activation) * up, w_down, b_down)
+    return _linear(_activation(gate, activation) * up, w_down, b_down), gate, up
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -229,6 +235,26 @@ def _(grad, x, gate, up, w_gate, w_up, w_down, activation, input_grad):
     return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
 
 
+def _wanted_grads(
+    grads: tuple[torch.Tensor | None, ...], needs: tuple[bool, ...], biases: tuple[bool, bool, bool], fused: bool
+) -> tuple[torch.Tensor | None, ...]:
+    """The autograd gradients of ``(x, w_gate, b_gate, w_up, b_up, w_down, b_down)`` from a backward's seven
+    ``grads``: None where autograd does not need one (``needs``, its ``needs_input_grad``) or the parameter is
+    absent (``biases``: whether b_gate, b_up and b_down are given; ``fused``: no w_up). Every mode's backward ends
+    here."""
+    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = grads
+    has_b_gate, has_b_up, has_b_down = biases
+    return (
+        grad_x if needs[0] else None,
+        grad_w_gate if needs[1] else None,
+        grad_b_gate if has_b_gate and needs[2] else None,
+        grad_w_up if not fused and needs[3] else None,
+        grad_b_up if has_b_up and needs[4] else None,
+        grad_w_down if needs[5] else None,
+        grad_b_down if has_b_down and needs[6] else None,
+    )
+
+
 def _setup_context(ctx, inputs, output) -> None:
     x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation = inputs
     _, gate, up = output
@@ -238,29 +264,28 @@ def _setup_context(ctx, inputs, output) -> None:
     ctx.biases = (b_gate is not None, b_up is not None, b_down is not None)
 
 
-def _backward(ctx, grad, *_):
+def _backward_common(ctx, grad: torch.Tensor | None, traced: bool) -> tuple[torch.Tensor | None, ...]:
+    """The exact op's backward: the custom op ``fewbit::gated_mlp_backward`` when ``traced`` (one graph under
+    ``torch.compile``), else its body :func:`_backward_exact` computing only the bias gradients autograd needs."""
     if torch.is_grad_enabled():
         raise FewBitError(SECOND_ORDER_MESSAGE)
     if grad is None:
         return (None,) * 8
     x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
     needs = ctx.needs_input_grad
-    grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = (
-        torch.ops.fewbit.gated_mlp_backward(
-            grad.contiguous(), x, gate, up, w_gate, w_up, w_down, ctx.activation, bool(needs[0])
+    arguments = (grad.contiguous(), x, gate, up, w_gate, w_up, w_down, ctx.activation)
+    if traced:
+        grads = torch.ops.fewbit.gated_mlp_backward(*arguments, bool(needs[0]))
+    else:
+        has_b_gate, has_b_up, has_b_down = ctx.biases
+        grads = _backward_exact(
+            *arguments, (needs[0], has_b_gate and needs[2], has_b_up and needs[4], has_b_down and needs[6])
         )
-    )
-    has_b_gate, has_b_up, has_b_down = ctx.biases
-    return (
-        grad_x if needs[0] else None,
-        grad_w_gate if needs[1] else None,
-        grad_b_gate if has_b_gate and needs[2] else None,
-        grad_w_up if w_up is not None and needs[3] else None,
-        grad_b_up if has_b_up and needs[4] else None,
-        grad_w_down if needs[5] else None,
-        grad_b_down if has_b_down and needs[6] else None,
-        None,
-    )
+    return (*_wanted_grads(grads, needs, ctx.biases, w_up is None), None)
+
+
+def _backward(ctx, grad, *_):
+    return _backward_common(ctx, grad, traced=True)
 
 
 torch.library.register_autograd("fewbit::gated_mlp", _backward, setup_context=_setup_context)
@@ -271,37 +296,14 @@ class _ExactGatedMLP(torch.autograd.Function):
     dispatch (under ``torch.compile`` the custom ops run instead: one graph); saves what the custom op saves."""
 
     @staticmethod
-    def forward(ctx, x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation):
-        y, gate, up = _forward_exact(x, w_gate, b_gate, w_up, b_up, w_down, b_down, activation)
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, gate, up, w_gate, w_up, w_down)
-        ctx.activation = activation
-        ctx.biases = (b_gate is not None, b_up is not None, b_down is not None)
-        return y
+    def forward(ctx, *inputs):
+        output = _forward_exact(*inputs)
+        _setup_context(ctx, inputs, output)
+        return output[0]
 
     @staticmethod
     def backward(ctx, grad):
-        if torch.is_grad_enabled():
-            raise FewBitError(SECOND_ORDER_MESSAGE)
-        if grad is None:
-            return (None,) * 8
-        x, gate, up, w_gate, w_up, w_down = ctx.saved_tensors
-        needs = ctx.needs_input_grad
-        has_b_gate, has_b_up, has_b_down = ctx.biases
-        wanted = (needs[0], has_b_gate and needs[2], has_b_up and needs[4], has_b_down and needs[6])
-        grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down = _backward_exact(
-            grad.contiguous(), x, gate, up, w_gate, w_up, w_down, ctx.activation, wanted
-        )
-        return (
-            grad_x,
-            grad_w_gate if needs[1] else None,
-            grad_b_gate,
-            grad_w_up if w_up is not None and needs[3] else None,
-            grad_b_up,
-            grad_w_down if needs[5] else None,
-            grad_b_down,
-            None,
-        )
+        return _backward_common(ctx, grad, traced=False)
 
 
 # ----------------------------------------------------------------------------------------------------------------------
