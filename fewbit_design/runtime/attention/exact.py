@@ -39,7 +39,7 @@ import torch
 from ...errors import FewBitError
 from .._torchscript import NotScriptable
 from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
-from .ops import _native_picks_flash, _repeat, flash_gradients_like, flash_layout
+from .ops import _native_picks_flash, _repeat, _sum_over_groups, flash_gradients_like, flash_layout
 
 __all__ = ["value_recompute_attention", "dropout_attention", "ValueLinear", "take_recipe"]
 
@@ -73,6 +73,14 @@ def _kernel_mask(mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor 
     if mask is None or mask.dtype != torch.bool:
         return mask
     return torch.where(mask.logical_not(), float("-inf"), 0.0).to(dtype)
+
+
+def _value(v, x, weight, bias, v_size: list[int], v_stride: list[int], v_offset: int) -> torch.Tensor:
+    """v as the backward reads it: ``v`` itself where the forward kept it, else the projection of x seen through the
+    forward's view of it (size, stride and offset)."""
+    if v is not None:
+        return v
+    return torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
 
 
 @torch.library.custom_op("fewbit::value_recompute_attention", mutates_args=())
@@ -126,8 +134,7 @@ def _attention_backward(
     is_causal: bool,
     repeat: int,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if v is None:  # v = projection(x) seen through the forward's view of it: the one matmul this op adds
-        v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
+    v = _value(v, x, weight, bias, v_size, v_stride, v_offset)  # the one matmul this op adds, where v is not kept
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad,
         q,
@@ -140,11 +147,7 @@ def _attention_backward(
         attn_mask=_kernel_mask(mask, q.dtype),
         scale=scale,
     )
-    if repeat > 1:  # autograd of repeat_kv: the sum over each group's query heads
-        batch, heads, length, _ = k.shape
-        grad_k = grad_k.reshape(batch, heads, repeat, length, -1).sum(2)
-        grad_v = grad_v.reshape(batch, heads, repeat, length, -1).sum(2)
-    return grad_q, grad_k, grad_v
+    return grad_q, _sum_over_groups(grad_k, k.shape[1]), _sum_over_groups(grad_v, k.shape[1])
 
 
 @_attention_backward.register_fake
@@ -295,8 +298,7 @@ def _dropout_attention_backward(
     scale: float | None,
     is_causal: bool,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    if v is None:  # v = projection(x) seen through the forward's view of it
-        v = torch.nn.functional.linear(x, weight, bias).as_strided(v_size, v_stride, v_offset)
+    v = _value(v, x, weight, bias, v_size, v_stride, v_offset)
     gradients = flash_gradients_like(grad, list(q.shape), list(k.shape), v_size)
     return dropout_attention_backward(grad, q, k, v, mask, int(seed), p, scale, is_causal, out=gradients)
 

@@ -225,6 +225,16 @@ def _(q, k, v, mask, codes, scale, is_causal, kv_repeat, enable_gqa, bits, group
     return flash_layout(q, (batch, heads, length, v.shape[-1]))
 
 
+def _decode_qkv(
+    codes: list[torch.Tensor], shapes: tuple[list[int], ...], bits: int, group_size: int, dtype: torch.dtype
+) -> list[torch.Tensor]:
+    """q, k and v decoded from their group codes (``codes``: packed and scales of each, in turn) to their ``shapes``."""
+    return [
+        dequantize_groups(packed, scales, shape[-1], bits, group_size, dtype).reshape(shape)
+        for packed, scales, shape in zip(codes[0::2], codes[1::2], shapes, strict=True)
+    ]
+
+
 def _compressed_attention_backward_impl(
     grad: torch.Tensor,
     mask: torch.Tensor | None,
@@ -239,10 +249,7 @@ def _compressed_attention_backward_impl(
     seed: torch.Tensor | None,
     dropout: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    decoded = [
-        dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
-        for packed, scales, shape in zip(codes[0::2], codes[1::2], (q_shape, k_shape, v_shape), strict=True)
-    ]
+    decoded = _decode_qkv(codes, (q_shape, k_shape, v_shape), bits, group_size, grad.dtype)
     if dropout > 0.0:  # the forward's keep mask, drawn again from its seed
         gradients = flash_gradients_like(grad, q_shape, k_shape, v_shape)
         return dropout_attention_backward(grad, *decoded, mask, int(seed), dropout, scale, is_causal, out=gradients)
@@ -399,10 +406,7 @@ def _flash_attention_backward_impl(
     # O~: the output projection's backward has just decoded these codes (dequantize_shared returns its tensor)
     output = dequantize_shared(output_packed, output_scales, heads * dim, output_bits, output_group_size, grad.dtype)
     output = output.view(batch, length, heads, dim).transpose(1, 2)
-    q, k, v = (
-        dequantize_groups(packed, scales, shape[-1], bits, group_size, grad.dtype).reshape(shape)
-        for packed, scales, shape in zip(qkv[0::2], qkv[1::2], (q_shape, k_shape, v_shape), strict=True)
-    )
+    q, k, v = _decode_qkv(qkv, (q_shape, k_shape, v_shape), bits, group_size, grad.dtype)
     repeat = heads // k_shape[1]
     grad_q, grad_k, grad_v = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
         grad, q, _repeat(k, repeat), _repeat(v, repeat), output, log_sum_exp, 0.0, is_causal, scale=scale
