@@ -8,16 +8,32 @@ places; the model itself is a slot with no place). :func:`slots` lists every mod
 A *snapshot* is every module's children as they are (:func:`snapshot`, :func:`restore`): the converters change a
 model only by replacing children, so a snapshot taken before undoes them. :func:`remember` keeps the first one on the
 model itself, for ``runtime.unconvert``.
+
+The converters' reports name a module by :func:`class_path` and list what they left alone as :class:`Skipped`
+records, counted per class and reason by :func:`left_alone_lines`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections import Counter
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Slot", "slots", "swap", "snapshot", "restore", "remember", "ORIGINAL", "class_path", "has_hooks"]
+__all__ = [
+    "Slot",
+    "slots",
+    "swap",
+    "snapshot",
+    "restore",
+    "remember",
+    "ORIGINAL",
+    "class_path",
+    "has_hooks",
+    "Skipped",
+    "left_alone_lines",
+]
 
 #: the attribute of a converted model holding (its original root, the snapshot taken before its first conversion)
 ORIGINAL = "_fewbit_original"
@@ -150,6 +166,24 @@ def class_path(cls: type) -> str:
         cls: the class
     """
     return f"{cls.__module__}.{cls.__qualname__}"
+
+
+@dataclass(frozen=True)
+class Skipped:
+    """One module a converter left alone (``names``: every name it has in the model), its class path and why."""
+
+    names: tuple[str, ...]
+    original: str
+    reason: str
+
+
+def left_alone_lines(skipped: Iterable[tuple[str, str]]) -> list[str]:
+    """A report's lines for what it left alone: one per (class, reason) pair of ``skipped``, with how many.
+
+    Args:
+        skipped: the (class path, reason) of each module left alone
+    """
+    return [f"  left alone: {count} x {original}: {reason}" for (original, reason), count in Counter(skipped).items()]
 
 
 def has_hooks(module: torch.nn.Module) -> bool:

@@ -50,7 +50,7 @@ import torch
 from ...errors import FewBitError, check_choice
 from ..linear.nn import CompressedConv1D, CompressedLinear, share_state
 from ..linear.quant import GROUP_SIZE, check_options
-from ..modules import slots, swap
+from ..modules import left_alone_lines, slots, swap
 from .exact import ValueLinear, dropout_attention, take_recipe, value_recompute_attention
 from .ops import compressed_attention
 
@@ -108,8 +108,7 @@ class AttentionReport:
         lines = [f"{head}, left {len(self.skipped)} alone"]
         for original, count in Counter(original for _, original in self.replaced).items():
             lines.append(f"  {count} x {original}")
-        for (original, reason), count in Counter((original, reason) for _, original, reason in self.skipped).items():
-            lines.append(f"  left alone: {count} x {original}: {reason}")
+        lines += left_alone_lines((original, reason) for _, original, reason in self.skipped)
         if self.already:
             lines.append(f"  {self.already} were converted already")
         return "\n".join(lines)

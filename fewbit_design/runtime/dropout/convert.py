@@ -30,9 +30,9 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
+from ..modules import Skipped, left_alone_lines, slots, swap
 from ..modules import class_path as _class_path
 from ..modules import has_hooks as _has_hooks
-from ..modules import slots, swap
 from .nn import CompactDropout
 from .ops import MODES
 
@@ -59,15 +59,6 @@ class Replaced:
     p: float
 
 
-@dataclass(frozen=True)
-class Skipped:
-    """One dropout-like module left alone, and why."""
-
-    names: tuple[str, ...]
-    original: str
-    reason: str
-
-
 @dataclass
 class DropoutReport:
     """What :func:`convert` did (``model.dropout_report``).
@@ -90,8 +81,7 @@ class DropoutReport:
         ]
         for p, count in sorted(Counter(item.p for item in self.replaced).items()):
             lines.append(f"  {count} x torch.nn.Dropout(p={p:g}) -> CompactDropout")
-        for (original, reason), count in Counter((item.original, item.reason) for item in self.skipped).items():
-            lines.append(f"  left alone: {count} x {original}: {reason}")
+        lines += left_alone_lines((item.original, item.reason) for item in self.skipped)
         if self.already:
             lines.append(f"  {self.already} module(s) were CompactDropout already")
         return "\n".join(lines)

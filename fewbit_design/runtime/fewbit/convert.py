@@ -47,7 +47,7 @@ import torch
 from ...design import activations
 from ...errors import FewBitError, check_boolean, check_choice, check_integer, close_matches
 from ...table import MODES, Table
-from .. import memory
+from .. import memory, modules
 from ..modules import Slot, swap
 from ..modules import class_path as _class_path
 from ..probe import example_errors, forward_bytes, no_side_effects, run_example
@@ -98,12 +98,10 @@ class Replaced:
 
 
 @dataclass(frozen=True)
-class Skipped:
-    """One activation module left alone, and why."""
+class Skipped(modules.Skipped):
+    """One activation module left alone, and why (``unsupported``: a recognised activation with no few-bit version,
+    which ``strict=True`` refuses)."""
 
-    names: tuple[str, ...]
-    original: str
-    reason: str
     unsupported: bool = False
 
 
@@ -135,9 +133,7 @@ class ConversionReport:
         for item in self.replaced:
             if len(item.names) > 1:
                 lines.append(f"  one shared replacement at {', '.join(repr(name) for name in item.names)}")
-        reasons = Counter((item.original, item.reason) for item in self.skipped)
-        for (original, reason), count in reasons.items():
-            lines.append(f"  left alone: {count} x {original}: {reason}")
+        lines += modules.left_alone_lines((item.original, item.reason) for item in self.skipped)
         if self.already_fewbit:
             lines.append(f"  {self.already_fewbit} module(s) were few-bit already")
         if self.measured:

@@ -46,9 +46,9 @@ from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
 from ..linear.quant import GROUP_SIZE, check_options
+from ..modules import Skipped, left_alone_lines, slots, swap
 from ..modules import class_path as _class_path
 from ..modules import has_hooks as _has_hooks
-from ..modules import slots, swap
 from ..probe import on_stand_in
 from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
@@ -84,15 +84,6 @@ class Replaced:
     fused: bool
 
 
-@dataclass(frozen=True)
-class Skipped:
-    """One gated-MLP-shaped module left alone, and why."""
-
-    names: tuple[str, ...]
-    original: str
-    reason: str
-
-
 @dataclass
 class GatedReport:
     """What :func:`convert` did (``model.gated_report``).
@@ -123,8 +114,7 @@ class GatedReport:
                 else f"compressed: saves {self.bits}-bit codes of x, gate, up"
             )
             lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; {kept})")
-        for (original, reason), count in Counter((item.original, item.reason) for item in self.skipped).items():
-            lines.append(f"  left alone: {count} x {original}: {reason}")
+        lines += left_alone_lines((item.original, item.reason) for item in self.skipped)
         if self.already:
             lines.append(f"  {self.already} module(s) were GatedMLP already")
         return "\n".join(lines)

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FewBitError
-from ..modules import slots, swap
+from ..modules import left_alone_lines, slots, swap
 from .nn import CompressedConv1D, CompressedLinear, compress_module
 from .quant import GROUP_SIZE, check_options
 
@@ -60,8 +60,7 @@ class LinearReport:
         targets = {"Conv1D": CompressedConv1D.__name__}
         for original, count in Counter(original for _, original in self.replaced).items():
             lines.append(f"  {count} x {original} -> {targets.get(original, CompressedLinear.__name__)}")
-        for (original, reason), count in Counter((original, reason) for _, original, reason in self.skipped).items():
-            lines.append(f"  left alone: {count} x {original}: {reason}")
+        lines += left_alone_lines((original, reason) for _, original, reason in self.skipped)
         if self.already:
             lines.append(f"  {self.already} layer(s) were compressed already")
         return "\n".join(lines)
