@@ -10,11 +10,14 @@ model only by replacing children, so a snapshot taken before undoes them. :func:
 model itself, for ``runtime.unconvert``.
 
 The converters' reports name a module by :func:`class_path` and list what they left alone as :class:`Skipped`
-records, counted per class and reason by :func:`left_alone_lines`.
+records, counted per class and reason by :func:`left_alone_lines`. A converter that decides module by module (a
+replacement, a reason to leave it, or nothing to say) walks the slots with :func:`decide`, and one that replaced
+nothing says why with :func:`warn_nothing_replaced`.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
@@ -33,6 +36,9 @@ __all__ = [
     "has_hooks",
     "Skipped",
     "left_alone_lines",
+    "Decisions",
+    "decide",
+    "warn_nothing_replaced",
 ]
 
 #: the attribute of a converted model holding (its original root, the snapshot taken before its first conversion)
@@ -184,6 +190,56 @@ def left_alone_lines(skipped: Iterable[tuple[str, str]]) -> list[str]:
         skipped: the (class path, reason) of each module left alone
     """
     return [f"  left alone: {count} x {original}: {reason}" for (original, reason), count in Counter(skipped).items()]
+
+
+@dataclass
+class Decisions:
+    """What :func:`decide` found: the ``replacements`` for :func:`swap`, each ``(slot, replacement)`` in walk order,
+    the modules ``skipped`` and how many were converted ``already``."""
+
+    replacements: dict[int, torch.nn.Module] = field(default_factory=dict)
+    replaced: list[tuple[Slot, torch.nn.Module]] = field(default_factory=list)
+    skipped: list[Skipped] = field(default_factory=list)
+    already: int = 0
+
+
+def decide(
+    found: list[Slot], candidate: Callable[[torch.nn.Module], torch.nn.Module | str | None], converted: type
+) -> Decisions:
+    """Each slot of ``found`` decided: an instance of ``converted`` counts as converted already, else
+    ``candidate(module)`` gives its replacement, the reason it is left alone, or None (not a candidate).
+
+    Args:
+        found: the slots, from :func:`slots`
+        candidate: the converter's decision for one module
+        converted: the class of the replacements (a module of it is not converted again)
+    """
+    decisions = Decisions()
+    for slot in found:
+        if isinstance(slot.module, converted):
+            decisions.already += 1
+            continue
+        choice = candidate(slot.module)
+        if isinstance(choice, torch.nn.Module):
+            decisions.replacements[id(slot.module)] = choice
+            decisions.replaced.append((slot, choice))
+        elif isinstance(choice, str):
+            decisions.skipped.append(Skipped(slot.names, class_path(type(slot.module)), choice))
+    return decisions
+
+
+def warn_nothing_replaced(context: str, model: torch.nn.Module, skipped: list[Skipped], absent: str) -> None:
+    """The warning of a converter that replaced nothing in ``model``: the reasons of what it ``skipped``, or
+    ``absent`` (what the model lacks) when it skipped nothing. Raised at the converter's caller.
+
+    Args:
+        context: the converter, as the warning names it
+        model: the model given to it
+        skipped: what it left alone
+        absent: why there was nothing to replace (``"it has no ..."``)
+    """
+    why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in skipped})) or absent
+    warnings.warn(f"{context}: nothing replaced in {type(model).__name__}: {why}", stacklevel=3)
 
 
 def has_hooks(module: torch.nn.Module) -> bool:

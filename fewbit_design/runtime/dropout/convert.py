@@ -22,7 +22,6 @@ BERT does on its probabilities) is no module to replace: :func:`functional_calls
 
 from __future__ import annotations
 
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,8 +29,7 @@ from typing import Any
 import torch
 
 from ...errors import FewBitError, check_choice
-from ..modules import Skipped, left_alone_lines, slots, swap
-from ..modules import class_path as _class_path
+from ..modules import Skipped, decide, left_alone_lines, slots, swap, warn_nothing_replaced
 from ..modules import has_hooks as _has_hooks
 from .nn import CompactDropout
 from .ops import MODES
@@ -122,26 +120,14 @@ def convert(model: torch.nn.Module, *, mode: str = "bits") -> torch.nn.Module:
     if not isinstance(model, torch.nn.Module):
         raise FewBitError(f"dropout.convert takes a torch.nn.Module, got {type(model).__name__}")
     mode = check_choice("dropout mode", mode, MODES)
-    report = DropoutReport(mode=mode)
     found = slots(model)
-    replacements: dict[int, torch.nn.Module] = {}
-    for slot in found:
-        if isinstance(slot.module, CompactDropout):
-            report.already += 1
-            continue
-        candidate = _candidate(slot.module, mode)
-        if isinstance(candidate, CompactDropout):
-            replacements[id(slot.module)] = candidate
-            report.replaced.append(Replaced(slot.names, candidate.p))
-        elif isinstance(candidate, str):
-            report.skipped.append(Skipped(slot.names, _class_path(type(slot.module)), candidate))
-    converted = swap(model, found, replacements)
+    decisions = decide(found, lambda module: _candidate(module, mode), CompactDropout)
+    replaced = [Replaced(slot.names, replacement.p) for slot, replacement in decisions.replaced]
+    report = DropoutReport(replaced=replaced, skipped=decisions.skipped, already=decisions.already, mode=mode)
+    converted = swap(model, found, decisions.replacements)
     converted.dropout_report = report
     if not report.replaced and not report.already:
-        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in report.skipped})) or (
-            "it has no torch.nn.Dropout"
-        )
-        warnings.warn(f"dropout.convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+        warn_nothing_replaced("dropout.convert", model, report.skipped, "it has no torch.nn.Dropout")
     return converted
 
 

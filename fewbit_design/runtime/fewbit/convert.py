@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections import Counter
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -336,10 +335,8 @@ def convert(
         )
     logger.info("convert %s: %s", type(model).__name__, result)
     if not result.replaced and not result.already_fewbit:
-        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in result.skipped})) or (
-            "it has no activation module the runtime recognises"
-        )
-        warnings.warn(f"convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+        absent = "it has no activation module the runtime recognises"
+        modules.warn_nothing_replaced("convert", model, result.skipped, absent)
     converted.fewbit_report = result
     return converted
 

@@ -36,7 +36,6 @@ change. Applying :func:`convert` again changes nothing (a :class:`~.nn.GatedMLP`
 from __future__ import annotations
 
 import inspect
-import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -46,7 +45,7 @@ from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
 from ..linear.quant import GROUP_SIZE, check_options
-from ..modules import Skipped, left_alone_lines, slots, swap
+from ..modules import Skipped, decide, left_alone_lines, slots, swap, warn_nothing_replaced
 from ..modules import class_path as _class_path
 from ..modules import has_hooks as _has_hooks
 from ..probe import on_stand_in
@@ -275,26 +274,16 @@ def convert(
         raise FewBitError(f"gated.convert takes a torch.nn.Module, got {type(model).__name__}")
     bits, _, rounding = check_options(bits, GROUP_SIZE, rounding)
     options = {"mode": check_choice("gated MLP mode", mode, MODES), "bits": bits, "rounding": rounding}
-    report = GatedReport(mode=options["mode"], bits=options["bits"])
     found = slots(model, descend=lambda module: not isinstance(module, GatedMLP))
-    replacements: dict[int, torch.nn.Module] = {}
     with torch.inference_mode(False):
-        for slot in found:
-            if isinstance(slot.module, GatedMLP):
-                report.already += 1
-                continue
-            candidate = _candidate(slot.module, options)
-            if isinstance(candidate, GatedMLP):
-                replacements[id(slot.module)] = candidate
-                fused = candidate.layout.up is None
-                report.replaced.append(Replaced(slot.names, candidate.original, candidate.activation, fused))
-            elif isinstance(candidate, str):
-                report.skipped.append(Skipped(slot.names, _class_path(type(slot.module)), candidate))
-    converted = swap(model, found, replacements)
+        decisions = decide(found, lambda module: _candidate(module, options), GatedMLP)
+    replaced = [
+        Replaced(slot.names, replacement.original, replacement.activation, replacement.layout.up is None)
+        for slot, replacement in decisions.replaced
+    ]
+    report = GatedReport(replaced, decisions.skipped, decisions.already, mode=options["mode"], bits=options["bits"])
+    converted = swap(model, found, decisions.replacements)
     converted.gated_report = report
     if not report.replaced and not report.already:
-        why = "; ".join(sorted({f"{item.original}: {item.reason}" for item in report.skipped})) or (
-            "it has no gated MLP the op recognises"
-        )
-        warnings.warn(f"gated.convert: nothing replaced in {type(model).__name__}: {why}", stacklevel=2)
+        warn_nothing_replaced("gated.convert", model, report.skipped, "it has no gated MLP the op recognises")
     return converted
