@@ -243,12 +243,18 @@ def _setup_bits(ctx, inputs, output) -> None:
     ctx.p, ctx.on_fused = p, on_fused
 
 
-def _backward_bits(ctx, grad, *_):
+def _bits_gradient(ctx, grad: torch.Tensor | None, inputs: int) -> tuple[torch.Tensor | None, ...]:
+    """The backward of both bits-mode ops (dropout is linear in x and its backward in grad: each one's gradient is
+    grad scaled by the kept mask), then None for the op's other ``inputs - 1`` inputs."""
     if grad is None:
-        return None, None, None
+        return (None,) * inputs
     (packed,) = ctx.saved_tensors
     operator = torch.ops.fewbit.dropout_bits_backward if tracing(grad, packed) else _BitsBackwardEager.apply
-    return operator(grad, packed, ctx.p, ctx.on_fused), None, None
+    return operator(grad, packed, ctx.p, ctx.on_fused), *(None,) * (inputs - 1)
+
+
+def _backward_bits(ctx, grad, *_):
+    return _bits_gradient(ctx, grad, 3)
 
 
 def _setup_bits_backward(ctx, inputs, output) -> None:
@@ -259,11 +265,7 @@ def _setup_bits_backward(ctx, inputs, output) -> None:
 
 
 def _backward_bits_backward(ctx, grad):
-    if grad is None:
-        return None, None, None, None
-    (packed,) = ctx.saved_tensors
-    operator = torch.ops.fewbit.dropout_bits_backward if tracing(grad, packed) else _BitsBackwardEager.apply
-    return operator(grad, packed, ctx.p, ctx.on_fused), None, None, None
+    return _bits_gradient(ctx, grad, 4)
 
 
 _dropout_bits.register_autograd(_backward_bits, setup_context=_setup_bits)
@@ -314,12 +316,18 @@ def _setup_seed(ctx, inputs, output) -> None:
     ctx.p, ctx.stride = p, _layout(x)
 
 
-def _backward_seed(ctx, grad, *_):
+def _seed_gradient(ctx, grad: torch.Tensor | None, inputs: int) -> tuple[torch.Tensor | None, ...]:
+    """The backward of both seed-mode ops (as :func:`_bits_gradient`, the mask drawn again from the saved state),
+    then None for the op's other ``inputs - 1`` inputs."""
     if grad is None:
-        return None, None
+        return (None,) * inputs
     (state,) = ctx.saved_tensors
     operator = torch.ops.fewbit.dropout_seed_backward if tracing(grad, state) else _SeedBackwardEager.apply
-    return operator(grad, state, ctx.p, list(ctx.stride)), None
+    return operator(grad, state, ctx.p, list(ctx.stride)), *(None,) * (inputs - 1)
+
+
+def _backward_seed(ctx, grad, *_):
+    return _seed_gradient(ctx, grad, 2)
 
 
 def _setup_seed_backward(ctx, inputs, output) -> None:
@@ -330,11 +338,7 @@ def _setup_seed_backward(ctx, inputs, output) -> None:
 
 
 def _backward_seed_backward(ctx, grad):
-    if grad is None:
-        return None, None, None, None
-    (state,) = ctx.saved_tensors
-    operator = torch.ops.fewbit.dropout_seed_backward if tracing(grad, state) else _SeedBackwardEager.apply
-    return operator(grad, state, ctx.p, list(ctx.stride)), None, None, None
+    return _seed_gradient(ctx, grad, 4)
 
 
 _dropout_seed.register_autograd(_backward_seed, setup_context=_setup_seed)
