@@ -10,9 +10,9 @@ model only by replacing children, so a snapshot taken before undoes them. :func:
 model itself, for ``runtime.unconvert``.
 
 The converters' reports name a module by :func:`class_path` and list what they left alone as :class:`Skipped`
-records, counted per class and reason by :func:`left_alone_lines`. A converter that decides module by module (a
-replacement, a reason to leave it, or nothing to say) walks the slots with :func:`decide`, and one that replaced
-nothing says why with :func:`warn_nothing_replaced`.
+records, counted per class and reason (with the modules converted already) by :func:`left_alone_lines`. A converter
+that decides module by module (a replacement, a reason to leave it, or nothing to say) walks the slots with
+:func:`decide`, and one that replaced nothing says why with :func:`warn_nothing_replaced`.
 """
 
 from __future__ import annotations
@@ -183,13 +183,19 @@ class Skipped:
     reason: str
 
 
-def left_alone_lines(skipped: Iterable[tuple[str, str]]) -> list[str]:
-    """A report's lines for what it left alone: one per (class, reason) pair of ``skipped``, with how many.
+def left_alone_lines(skipped: Iterable[tuple[str, str]], already: int = 0, converted: str = "") -> list[str]:
+    """A report's lines for what it did not replace: one per (class, reason) pair of ``skipped``, with how many, then
+    how many modules it found converted ``already`` (no line for none).
 
     Args:
         skipped: the (class path, reason) of each module left alone
+        already: how many modules were converted already
+        converted: what the line says of them (``"module(s) were X already"``)
     """
-    return [f"  left alone: {count} x {original}: {reason}" for (original, reason), count in Counter(skipped).items()]
+    lines = [f"  left alone: {count} x {original}: {reason}" for (original, reason), count in Counter(skipped).items()]
+    if already:
+        lines.append(f"  {already} {converted}")
+    return lines
 
 
 @dataclass

@@ -108,9 +108,8 @@ class AttentionReport:
         lines = [f"{head}, left {len(self.skipped)} alone"]
         for original, count in Counter(original for _, original in self.replaced).items():
             lines.append(f"  {count} x {original}")
-        lines += left_alone_lines((original, reason) for _, original, reason in self.skipped)
-        if self.already:
-            lines.append(f"  {self.already} were converted already")
+        skipped = ((original, reason) for _, original, reason in self.skipped)
+        lines += left_alone_lines(skipped, self.already, "were converted already")
         return "\n".join(lines)
 
 

@@ -79,9 +79,8 @@ class DropoutReport:
         ]
         for p, count in sorted(Counter(item.p for item in self.replaced).items()):
             lines.append(f"  {count} x torch.nn.Dropout(p={p:g}) -> CompactDropout")
-        lines += left_alone_lines((item.original, item.reason) for item in self.skipped)
-        if self.already:
-            lines.append(f"  {self.already} module(s) were CompactDropout already")
+        skipped = ((item.original, item.reason) for item in self.skipped)
+        lines += left_alone_lines(skipped, self.already, "module(s) were CompactDropout already")
         return "\n".join(lines)
 
 

@@ -132,9 +132,8 @@ class ConversionReport:
         for item in self.replaced:
             if len(item.names) > 1:
                 lines.append(f"  one shared replacement at {', '.join(repr(name) for name in item.names)}")
-        lines += modules.left_alone_lines((item.original, item.reason) for item in self.skipped)
-        if self.already_fewbit:
-            lines.append(f"  {self.already_fewbit} module(s) were few-bit already")
+        skipped = ((item.original, item.reason) for item in self.skipped)
+        lines += modules.left_alone_lines(skipped, self.already_fewbit, "module(s) were few-bit already")
         if self.measured:
             lines.append(
                 f"  saved for backward on the example: {self.measured['native']} -> {self.measured['converted']} bytes"

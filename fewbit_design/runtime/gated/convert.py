@@ -113,9 +113,8 @@ class GatedReport:
                 else f"compressed: saves {self.bits}-bit codes of x, gate, up"
             )
             lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; {kept})")
-        lines += left_alone_lines((item.original, item.reason) for item in self.skipped)
-        if self.already:
-            lines.append(f"  {self.already} module(s) were GatedMLP already")
+        skipped = ((item.original, item.reason) for item in self.skipped)
+        lines += left_alone_lines(skipped, self.already, "module(s) were GatedMLP already")
         return "\n".join(lines)
 
 

@@ -60,9 +60,8 @@ class LinearReport:
         targets = {"Conv1D": CompressedConv1D.__name__}
         for original, count in Counter(original for _, original in self.replaced).items():
             lines.append(f"  {count} x {original} -> {targets.get(original, CompressedLinear.__name__)}")
-        lines += left_alone_lines((original, reason) for _, original, reason in self.skipped)
-        if self.already:
-            lines.append(f"  {self.already} layer(s) were compressed already")
+        skipped = ((original, reason) for _, original, reason in self.skipped)
+        lines += left_alone_lines(skipped, self.already, "layer(s) were compressed already")
         return "\n".join(lines)
 
 
