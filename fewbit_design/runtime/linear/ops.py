@@ -19,7 +19,8 @@ normalised hidden state feeding the q, k and v projections or a gated MLP's gate
 once per (bits, group size, rounding): the layers save one set of codes, as native saves one x. An input the caller
 created (no ``grad_fn``) is quantized afresh at every call. Under ``torch.compile`` the codes a module hands over
 with :func:`share_codes` (a compressed norm's output) are shared the same way; layers that share an input no module
-handed codes of quantize it each. In eager the op runs as its autograd.Function twin (:mod:`fewbit_design.runtime._eager`).
+handed codes of quantize it each. In eager the op runs as its autograd.Function twin
+(:mod:`fewbit_design.runtime._eager`).
 
 Custom ops (``torch.library``, fake kernels, ``register_autograd``): ``fewbit::compressed_linear`` (this op),
 ``fewbit::group_quantize`` and ``fewbit::group_dequantize`` (:mod:`.quant`).
