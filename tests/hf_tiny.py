@@ -21,6 +21,19 @@ def tokens(batch: int = 4, length: int = 8, seed: int = 1) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, length), generator=torch.Generator().manual_seed(seed))
 
 
+class TokenDataset(torch.utils.data.Dataset):
+    """16 rows of 8 tokens, each its own labels: the training data of the Trainer and Lightning callback tests."""
+
+    def __init__(self) -> None:
+        self.rows = tokens(batch=16, length=8)
+
+    def __len__(self) -> int:
+        return len(self.rows)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.rows[index], "labels": self.rows[index]}
+
+
 def loss_and_gradients(model, batch: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     model.train()
     model.zero_grad(set_to_none=True)

@@ -7,7 +7,7 @@ import logging
 
 import pytest
 import torch
-from hf_tiny import loss_and_gradients, structure, tiny_gpt2, tokens
+from hf_tiny import TokenDataset, loss_and_gradients, structure, tiny_gpt2, tokens
 
 from fewbit_design import runtime
 from fewbit_design.errors import FewBitError
@@ -18,17 +18,6 @@ transformers = pytest.importorskip("transformers", reason="transformers is not i
 pytest.importorskip("accelerate", reason="accelerate is not installed (the Trainer needs it; the 'models' extra)")
 
 
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.rows = tokens(batch=16, length=8)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[index], "labels": self.rows[index]}
-
-
 def test_the_callback_converts_plans_logs_and_trains_a_tiny_gpt2_and_the_saved_model_restores(tmp_path, caplog):
     model = tiny_gpt2(transformers)
     before = {name: parameter.detach().clone() for name, parameter in model.named_parameters()}
@@ -37,7 +26,7 @@ def test_the_callback_converts_plans_logs_and_trains_a_tiny_gpt2_and_the_saved_m
         output_dir=str(tmp_path / "run"), max_steps=3, per_device_train_batch_size=4, learning_rate=1e-2,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=True, disable_tqdm=True,
     )  # fmt: skip
-    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=_Tokens(), callbacks=[callback])
+    trainer = transformers.Trainer(model=model, args=arguments, train_dataset=TokenDataset(), callbacks=[callback])
     with caplog.at_level(logging.INFO, logger="fewbit_design.runtime.hf"):
         trainer.train()
 

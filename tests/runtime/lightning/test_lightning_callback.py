@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from hf_tiny import structure, tiny_gpt2, tokens
+from hf_tiny import TokenDataset, structure, tiny_gpt2
 
 from fewbit_design import runtime
 from fewbit_design.errors import FewBitError
@@ -20,17 +20,6 @@ lightning = pytest.importorskip("lightning", reason="lightning is not installed 
 from fewbit_design.runtime.lightning import FewBitLightningCallback  # noqa: E402  (needs lightning)
 
 STEPS = 3
-
-
-class _Tokens(torch.utils.data.Dataset):
-    def __init__(self) -> None:
-        self.rows = tokens(batch=16, length=8)
-
-    def __len__(self) -> int:
-        return len(self.rows)
-
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.rows[index], "labels": self.rows[index]}
 
 
 class _Module(lightning.LightningModule):
@@ -76,7 +65,7 @@ class _Recorder(lightning.pytorch.loggers.Logger):
 
 def _fit(module: _Module, callbacks: list, recorder: _Recorder | None = None) -> lightning.Trainer:
     torch.manual_seed(5)  # the dataloader's shuffling: the same batches in every run
-    loader = torch.utils.data.DataLoader(_Tokens(), batch_size=4, shuffle=True)
+    loader = torch.utils.data.DataLoader(TokenDataset(), batch_size=4, shuffle=True)
     trainer = lightning.Trainer(
         max_steps=STEPS, accelerator="cpu", devices=1, callbacks=callbacks, logger=recorder or False,
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False, log_every_n_steps=1,

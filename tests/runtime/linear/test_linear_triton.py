@@ -11,6 +11,7 @@ import sys
 
 import pytest
 import torch
+from test_linear_kernels import same, sample  # the inputs with non-finite values, and bitwise-or-both-NaN
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime.linear import quant, triton_quant
@@ -25,23 +26,6 @@ pytestmark = [
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 BITS = range(2, 9)
 SEED = 2**40 + 7  # both 32-bit halves of the seed in use
-
-
-def sample(rows: int, features: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
-    """Values over several scales per feature, a constant row (step 0), a NaN and both infinities."""
-    generator = torch.Generator().manual_seed(seed)
-    x = torch.randn(rows, features, generator=generator) * torch.linspace(0.01, 30.0, features)
-    x[0, :] = 2.5
-    if rows > 2 and features > 3:
-        x[1, 3] = float("nan")
-        x[2, 0] = float("inf")
-        x[2, -1] = -float("inf")
-    return x.to(dtype)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bitwise equal, NaN equal to NaN (scales hold NaN lows for non-finite groups)."""
-    return a.dtype == b.dtype and a.shape == b.shape and bool(((a == b) | (a.isnan() & b.isnan())).all())
 
 
 def check(x: torch.Tensor, bits: int, group_size: int, stochastic: bool, seed: int = SEED) -> None:
