@@ -58,7 +58,7 @@ _LAZY = {
         name: (name, None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
-        + ("hf", "conversion", "attention", "probe", "modules", "dropout")
+        + ("hf", "conversion", "attention", "probe", "modules", "dropout", "report")
     },
     "FewBit": ("fewbit.nn", "FewBit"),
     "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
@@ -69,6 +69,7 @@ _LAZY = {
     "convert": ("conversion", "convert"),
     "unconvert": ("conversion", "unconvert"),
     "ConvertReport": ("conversion", "ConvertReport"),
+    "Report": ("report", "Report"),
     "calibrate": ("fewbit.calibrate", "calibrate"),
     "plan_memory": ("planner", "plan_memory"),
     "load_plan": ("planner", "load_plan"),

@@ -42,6 +42,7 @@ from . import registry
 from .modules import ORIGINAL, remember, restore, snapshot
 from .probe import caches_disabled, example_errors, huggingface_probe, step_bytes
 from .record import append_convert, forget
+from .report import Report
 
 __all__ = [
     "convert",
@@ -462,7 +463,12 @@ def _apply(
         changed = technique.convert(model, entry.options, probe)
     messages = [str(w.message) for w in caught if issubclass(w.category, UserWarning)]
     item.report = getattr(changed, role.report_attribute)
-    item.replaced = len(item.report.replaced)
+    if not isinstance(item.report, Report):
+        raise TypeError(
+            f"technique {technique.name!r}: its convert set model.{role.report_attribute} to a "
+            f"{type(item.report).__name__}, not a fewbit_design.runtime.report.Report"
+        )
+    item.replaced = item.report.count
     if not item.replaced:
         item.status = "nothing"
         return model, before, messages

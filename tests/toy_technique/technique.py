@@ -7,13 +7,14 @@ of the exponent, 2 for the square)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from fewbit_design.errors import check_number
 from fewbit_design.runtime.registry import ConvertRole, Technique
+from fewbit_design.runtime.report import Report
 
 
 class ExpSquare(torch.nn.Module):
@@ -30,12 +31,10 @@ class ExpTwice(torch.nn.Module):
         return torch.exp(self.scale * x)
 
 
-@dataclass
-class ToyReport:
-    replaced: list[tuple[str, str]] = field(default_factory=list)
-
-    def __str__(self) -> str:
-        return f"toy: folded {len(self.replaced)} exp(x) * exp(x)"
+@dataclass(kw_only=True)
+class ToyReport(Report):
+    def head(self) -> str:
+        return f"toy: folded {self.count} exp(x) * exp(x)"
 
 
 @dataclass(frozen=True)

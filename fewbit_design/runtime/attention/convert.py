@@ -43,14 +43,15 @@ import sys
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from ...errors import FewBitError, check_choice
 from ..linear.nn import CompressedConv1D, CompressedLinear, share_state
 from ..linear.quant import GROUP_SIZE, check_options
-from ..modules import left_alone_lines, slots, swap
+from ..modules import slots, swap
+from ..report import Report
 from .exact import ValueLinear, dropout_attention, take_recipe, value_recompute_attention
 from .ops import compressed_attention
 
@@ -74,16 +75,15 @@ OUTPUT_PROJECTIONS = ("o_proj", "c_proj", "out_proj", "dense")
 SHARED_OUTPUT_BITS = 8
 
 
-@dataclass
-class AttentionReport:
-    """What :func:`convert` did.
+@dataclass(kw_only=True)
+class AttentionReport(Report):
+    """What :func:`convert` did: a :class:`~..report.Report` whose ``replaced`` are the attention modules converted
+    (qualified name, class), ``skipped`` those left alone (name, class, reason) and ``already`` how many were
+    converted already.
 
     Attributes:
         bits: the bits of the q, k, v codes (None in the exact mode)
         group_size: values per group
-        replaced: qualified names and class of the attention modules converted
-        skipped: names, class and reason of the attention modules left alone
-        already: how many were converted already
         mode: "compressed" or "exact"
         keeps_v: names and class of the converted modules that keep v (exact mode, no value projection: the core
             still keeps the caller's mask, not a float copy, and runs attention dropout)
@@ -91,26 +91,23 @@ class AttentionReport:
 
     bits: int | None
     group_size: int
-    replaced: list[tuple[str, str]] = field(default_factory=list)
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)
-    already: int = 0
     mode: str = "compressed"
     keeps_v: list[tuple[str, str]] = field(default_factory=list)
 
-    def __str__(self) -> str:
+    ALREADY: ClassVar[str] = "were converted already"
+
+    def head(self) -> str:
         if self.mode == "exact":
-            head = f"{len(self.replaced) - len(self.keeps_v)} attention core(s) rebuild v in backward (exact)"
+            head = f"{self.count - len(self.keeps_v)} attention core(s) rebuild v in backward (exact)"
             if self.keeps_v:
                 head += f", {len(self.keeps_v)} keep v (no value projection: {' / '.join(VALUE_PROJECTIONS)})"
         else:
-            head = f"compressed {len(self.replaced)} attention core(s) ({self.bits}-bit q, k, v; groups of "
-            head += f"{self.group_size})"
-        lines = [f"{head}, left {len(self.skipped)} alone"]
-        for original, count in Counter(original for _, original in self.replaced).items():
-            lines.append(f"  {count} x {original}")
-        skipped = ((original, reason) for _, original, reason in self.skipped)
-        lines += left_alone_lines(skipped, self.already, "were converted already")
-        return "\n".join(lines)
+            head = f"compressed {self.count} attention core(s) ({self.bits}-bit q, k, v; groups of {self.group_size})"
+        return f"{head}, left {len(self.skipped)} alone"
+
+    def replaced_lines(self) -> list[str]:
+        counts = Counter(original for _, original in self.replaced)
+        return [f"  {count} x {original}" for original, count in counts.items()]
 
 
 def hf_attention_forward(
@@ -265,7 +262,7 @@ def convert(
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
-    report = AttentionReport(bits if mode == "compressed" else None, group_size, mode=mode)
+    report = AttentionReport(bits=bits if mode == "compressed" else None, group_size=group_size, mode=mode)
     found = slots(model, root=False)
     replacements: dict[int, torch.nn.Module] = {}
     for slot in found:

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from torch import nn
 
 from ...errors import FewBitError
+from ..report import Report
 from .nn import BNReLUConv2d, BNReLULinear, _check_unit_bits, _FusedUnit
 
 __all__ = ["convert", "FuseReport"]
@@ -36,17 +37,24 @@ _CHAINS: dict[tuple[str, str], tuple[str, ...]] = {
 }
 
 
-@dataclass
-class FuseReport:
-    """What :func:`convert` did: the fused runs (names of the norm, ReLU and op) and the runs left alone, why."""
+@dataclass(kw_only=True)
+class FuseReport(Report):
+    """What :func:`convert` did: a :class:`~..report.Report` whose ``replaced`` are the fused runs (names of the norm,
+    ReLU and op; also :attr:`fused`) and ``skipped`` the runs left alone (norm name, reason)."""
 
-    fused: list[tuple[str, str, str]] = field(default_factory=list)
-    skipped: list[tuple[str, str]] = field(default_factory=list)  # (norm name, reason)
+    replaced: list[tuple[str, str, str]] = field(default_factory=list)
+    skipped: list[tuple[str, str]] = field(default_factory=list)
 
-    def __str__(self) -> str:
-        lines = [f"fused {len(self.fused)} BatchNorm -> ReLU -> op run(s) into BLPA units"]
-        lines += [f"  left alone at {name!r}: {reason}" for name, reason in self.skipped]
-        return "\n".join(lines)
+    @property
+    def fused(self) -> list[tuple[str, str, str]]:
+        """The fused runs: (norm, ReLU, op) names."""
+        return self.replaced
+
+    def head(self) -> str:
+        return f"fused {self.count} BatchNorm -> ReLU -> op run(s) into BLPA units"
+
+    def left_lines(self) -> list[str]:
+        return [f"  left alone at {name!r}: {reason}" for name, reason in self.skipped]
 
 
 def _chain_children(module: nn.Module) -> tuple[str, ...] | None:
@@ -107,7 +115,7 @@ def convert(
         bn_owner._modules[bn_attribute] = unit
         relu_owner._modules[relu_attribute] = nn.Identity()
         op_owner._modules[op_attribute] = nn.Identity()
-        result.fused.append(tuple(name for _, _, name in slots))
+        result.replaced.append(tuple(name for _, _, name in slots))
     logger.info("blpa.convert %s: %s", type(model).__name__, result)
     if not result.fused and not already:
         reasons = "; ".join(f"{name!r}: {reason}" for name, reason in result.skipped) or (

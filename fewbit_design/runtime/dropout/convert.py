@@ -23,14 +23,15 @@ BERT does on its probabilities) is no module to replace: :func:`functional_calls
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
 from ...errors import FewBitError, check_choice
-from ..modules import Skipped, decide, left_alone_lines, slots, swap, warn_nothing_replaced
+from ..modules import decide, slots, swap, warn_nothing_replaced
 from ..modules import has_hooks as _has_hooks
+from ..report import Report
 from .nn import CompactDropout
 from .ops import MODES
 
@@ -57,31 +58,28 @@ class Replaced:
     p: float
 
 
-@dataclass
-class DropoutReport:
-    """What :func:`convert` did (``model.dropout_report``).
+@dataclass(kw_only=True)
+class DropoutReport(Report):
+    """What :func:`convert` did (``model.dropout_report``): a :class:`~..report.Report` whose ``replaced`` are the
+    dropout modules replaced (:class:`Replaced`: names, p), ``skipped`` the dropout-like modules left alone with the
+    reason and ``already`` how many were :class:`~.nn.CompactDropout` already.
 
     Attributes:
-        replaced: the dropout modules replaced (names, p)
-        skipped: the dropout-like modules left alone, with the reason
-        already: how many were :class:`~.nn.CompactDropout` already
         mode: what the replacements keep (:data:`.ops.MODES`)
     """
 
-    replaced: list[Replaced] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-    already: int = 0
     mode: str = "bits"
 
-    def __str__(self) -> str:
-        lines = [
-            f"dropout: replaced {len(self.replaced)} module(s), left {len(self.skipped)} alone; {_KEPT[self.mode]}"
+    ALREADY: ClassVar[str] = "module(s) were CompactDropout already"
+
+    def head(self) -> str:
+        return f"dropout: replaced {self.count} module(s), left {len(self.skipped)} alone; {_KEPT[self.mode]}"
+
+    def replaced_lines(self) -> list[str]:
+        return [
+            f"  {count} x torch.nn.Dropout(p={p:g}) -> CompactDropout"
+            for p, count in sorted(Counter(item.p for item in self.replaced).items())
         ]
-        for p, count in sorted(Counter(item.p for item in self.replaced).items()):
-            lines.append(f"  {count} x torch.nn.Dropout(p={p:g}) -> CompactDropout")
-        skipped = ((item.original, item.reason) for item in self.skipped)
-        lines += left_alone_lines(skipped, self.already, "module(s) were CompactDropout already")
-        return "\n".join(lines)
 
 
 def _candidate(module: torch.nn.Module, mode: str) -> CompactDropout | str | None:

@@ -38,8 +38,8 @@ import logging
 import math
 from collections import Counter
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
@@ -50,6 +50,7 @@ from .. import memory, modules
 from ..modules import Slot, swap
 from ..modules import class_path as _class_path
 from ..probe import example_errors, forward_bytes, no_side_effects, run_example
+from ..report import Report
 from .lookup import WEIGHTS, TableLike, as_table, resolve_table
 from .matching import (
     ECOSYSTEM,
@@ -62,7 +63,7 @@ from .matching import (
 )
 from .nn import FewBit, FewBitModule, from_torch
 
-__all__ = ["convert", "ConversionReport", "Filter", "ECOSYSTEM", "canonical_name"]
+__all__ = ["convert", "FewBitReport", "ConversionReport", "Filter", "ECOSYSTEM", "canonical_name"]
 
 logger = logging.getLogger("fewbit_design.runtime.convert")
 
@@ -104,14 +105,24 @@ class Skipped(modules.Skipped):
     unsupported: bool = False
 
 
-@dataclass
-class ConversionReport:
-    """What :func:`convert` did: ``replaced`` and ``skipped`` modules, and the measured bytes when it measured."""
+@dataclass(kw_only=True)
+class FewBitReport(Report):
+    """What :func:`convert` did: a :class:`~..report.Report` whose ``replaced`` are the modules replaced
+    (:class:`Replaced`), ``skipped`` the activation modules left alone (:class:`Skipped`) and ``already`` how many
+    were few-bit already.
 
-    replaced: list[Replaced] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-    already_fewbit: int = 0
-    measured: dict[str, int] | None = None  # {"native": bytes, "converted": bytes} with example_inputs
+    Attributes:
+        measured: ``{"native": bytes, "converted": bytes}`` saved for backward on the example, when it measured.
+    """
+
+    measured: dict[str, int] | None = None
+
+    ALREADY: ClassVar[str] = "module(s) were few-bit already"
+
+    @property
+    def already_fewbit(self) -> int:
+        """Deprecated name of :attr:`already`."""
+        return self.already
 
     def by_class(self) -> dict[str, int]:
         """Number of replaced modules per original class."""
@@ -122,23 +133,31 @@ class ConversionReport:
         """Number of places (qualified names) the replaced modules occupy: a module used twice counts twice."""
         return sum(len(item.names) for item in self.replaced)
 
-    def __str__(self) -> str:
-        places = self.places
-        at = f" at {places} place(s)" if places != len(self.replaced) else ""
-        lines = [f"replaced {len(self.replaced)} module(s){at}, left {len(self.skipped)} activation module(s) alone"]
+    def head(self) -> str:
+        at = f" at {self.places} place(s)" if self.places != self.count else ""
+        return f"replaced {self.count} module(s){at}, left {len(self.skipped)} activation module(s) alone"
+
+    def replaced_lines(self) -> list[str]:
+        lines = []
         for original, count in self.by_class().items():
             example = next(item for item in self.replaced if item.original == original)
             lines.append(f"  {count} x {original} -> {example.replacement} ({example.activation}, {example.bits} bits)")
         for item in self.replaced:
             if len(item.names) > 1:
                 lines.append(f"  one shared replacement at {', '.join(repr(name) for name in item.names)}")
-        skipped = ((item.original, item.reason) for item in self.skipped)
-        lines += modules.left_alone_lines(skipped, self.already_fewbit, "module(s) were few-bit already")
+        return lines
+
+    def left_lines(self) -> list[str]:
+        lines = list(super().left_lines())
         if self.measured:
             lines.append(
                 f"  saved for backward on the example: {self.measured['native']} -> {self.measured['converted']} bytes"
             )
-        return "\n".join(lines)
+        return lines
+
+
+#: the former name of :class:`FewBitReport` (deprecated; kept for one release)
+ConversionReport = FewBitReport
 
 
 # ----------------------------------------------------------------------------------------------------------------------
@@ -285,7 +304,7 @@ def convert(
 ) -> torch.nn.Module:
     """Replace the activation modules of ``model`` (in place) by few-bit modules; return the model, always.
 
-    What was done is the :class:`ConversionReport` in the returned model's attribute ``fewbit_report``, set by every
+    What was done is the :class:`FewBitReport` in the returned model's attribute ``fewbit_report``, set by every
     call (the next call overwrites it). ``report=True`` (an older form that returned ``(model, report)``) raises.
 
     Recognised modules (see the module docstring) get the shipped table for (``bits``, ``weight``, ``mode``) of
@@ -333,7 +352,7 @@ def convert(
             example_inputs=example_inputs,
         )
     logger.info("convert %s: %s", type(model).__name__, result)
-    if not result.replaced and not result.already_fewbit:
+    if not result.replaced and not result.already:
         absent = "it has no activation module the runtime recognises"
         modules.warn_nothing_replaced("convert", model, result.skipped, absent)
     converted.fewbit_report = result
@@ -351,10 +370,10 @@ def _convert(
     only_if_smaller: bool,
     example_inputs: Any,
     strict: bool,
-) -> tuple[torch.nn.Module, ConversionReport]:
-    result = ConversionReport()
+) -> tuple[torch.nn.Module, FewBitReport]:
+    result = FewBitReport()
     if isinstance(model, FewBitModule):
-        result.already_fewbit = 1
+        result.already = 1
         return model, result
     slots = _slots(model, root=True)
     _check_table_names(model, tables, slots)
@@ -384,14 +403,14 @@ def _convert(
 
 
 def _plans(
-    slots: list[Slot], filter: Filter, tables: Mapping[str, tuple[str, Table]], result: ConversionReport
+    slots: list[Slot], filter: Filter, tables: Mapping[str, tuple[str, Table]], result: FewBitReport
 ) -> list[tuple[Slot, Any, _Candidate | None]]:
     """``(slot, decision, candidate)`` of every activation module to replace; the ones left go to the report."""
     plans: list[tuple[Slot, Any, _Candidate | None]] = []
     for slot in slots:
         module = slot.module
         if isinstance(module, FewBitModule):
-            result.already_fewbit += 1
+            result.already += 1
             continue
         recognised = _recognise(module)
         decision = _decision(filter, slot.names[0], module)
@@ -423,7 +442,7 @@ def _built(slot: Slot, decision: Any, candidate: _Candidate | None, bits: int, w
     return replacement, activation
 
 
-def _drop_costly(model, plans, example_inputs, bits, result: ConversionReport):
+def _drop_costly(model, plans, example_inputs, bits, result: FewBitReport):
     """The plans whose replacement reduces the bytes saved for backward (the others go to the report)."""
     kept = []
     if example_inputs is None:

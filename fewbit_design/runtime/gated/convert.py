@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import inspect
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
@@ -45,10 +46,11 @@ from ...errors import FewBitError, check_choice
 from ..fewbit.convert import _recognise
 from ..fewbit.nn import FewBitModule
 from ..linear.quant import GROUP_SIZE, check_options
-from ..modules import Skipped, decide, left_alone_lines, slots, swap, warn_nothing_replaced
 from ..modules import class_path as _class_path
+from ..modules import decide, slots, swap, warn_nothing_replaced
 from ..modules import has_hooks as _has_hooks
 from ..probe import on_stand_in
+from ..report import Report
 from .nn import LAYOUTS, MODES, GatedMLP, Layout
 
 __all__ = ["convert", "GatedReport", "PROBE_TOLERANCE", "ACTIVATION_ATTRIBUTES"]
@@ -83,39 +85,36 @@ class Replaced:
     fused: bool
 
 
-@dataclass
-class GatedReport:
-    """What :func:`convert` did (``model.gated_report``).
+@dataclass(kw_only=True)
+class GatedReport(Report):
+    """What :func:`convert` did (``model.gated_report``): a :class:`~..report.Report` whose ``replaced`` are the gated
+    MLPs replaced (:class:`Replaced`: names, class, layout), ``skipped`` the candidates left alone with the reason and
+    ``already`` how many were converted already.
 
     Attributes:
-        replaced: the gated MLPs replaced (names, class, layout)
-        skipped: the candidates left alone, with the reason
-        already: how many were converted already
         mode: the mode the replacements run (``"exact"`` or ``"compressed"``)
         bits: the bits of the compressed mode's value codes (unused in exact mode)
     """
 
-    replaced: list[Replaced] = field(default_factory=list)
-    skipped: list[Skipped] = field(default_factory=list)
-    already: int = 0  # GatedMLP modules found in the model (converted before)
     mode: str = "exact"
     bits: int = 8
 
-    def __str__(self) -> str:
-        lines = [f"gated MLP: replaced {len(self.replaced)} module(s), left {len(self.skipped)} alone"]
+    ALREADY: ClassVar[str] = "module(s) were GatedMLP already"
+
+    def head(self) -> str:
+        return f"gated MLP: {super().head()}"
+
+    def replaced_lines(self) -> list[str]:
+        lines = []
+        kept = (
+            "saves x, gate, up" if self.mode == "exact" else f"compressed: saves {self.bits}-bit codes of x, gate, up"
+        )
         for (original, activation, fused), count in Counter(
             (item.original, item.activation, item.fused) for item in self.replaced
         ).items():
             layout = ", fused gate_up" if fused else ""
-            kept = (
-                "saves x, gate, up"
-                if self.mode == "exact"
-                else f"compressed: saves {self.bits}-bit codes of x, gate, up"
-            )
             lines.append(f"  {count} x {original} -> GatedMLP ({activation}{layout}; {kept})")
-        skipped = ((item.original, item.reason) for item in self.skipped)
-        lines += left_alone_lines(skipped, self.already, "module(s) were GatedMLP already")
-        return "\n".join(lines)
+        return lines
 
 
 def _layout(module: torch.nn.Module) -> Layout | None:
@@ -280,7 +279,13 @@ def convert(
         Replaced(slot.names, replacement.original, replacement.activation, replacement.layout.up is None)
         for slot, replacement in decisions.replaced
     ]
-    report = GatedReport(replaced, decisions.skipped, decisions.already, mode=options["mode"], bits=options["bits"])
+    report = GatedReport(
+        replaced=replaced,
+        skipped=decisions.skipped,
+        already=decisions.already,
+        mode=options["mode"],
+        bits=options["bits"],
+    )
     converted = swap(model, found, decisions.replacements)
     converted.gated_report = report
     if not report.replaced and not report.already:

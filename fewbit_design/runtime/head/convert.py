@@ -26,14 +26,16 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import FewBitError, check_integer
+from ..report import Report
 from .ops import lm_loss
 
 __all__ = ["HeadReport", "convert", "remove", "is_causal_lm"]
 
 
-@dataclass(frozen=True)
-class HeadReport:
-    """What :func:`convert` did to one model (``model.head_report``).
+@dataclass(kw_only=True)
+class HeadReport(Report):
+    """What :func:`convert` did to one model (``model.head_report``): a :class:`~..report.Report` whose ``replaced``
+    is the model's head (its class name: the forward computes the loss a chunk of rows at a time).
 
     Attributes:
         model: the model's class name.
@@ -52,6 +54,15 @@ class HeadReport:
     logit_scale: float = 1.0
     softcap: float | None = None
     note: str = "with labels, the loss is computed a chunk of rows at a time and the output's logits are None"
+
+    def head(self) -> str:
+        rows = self.chunk_rows if self.chunk_rows is not None else "default"
+        tied = ", tied to the input embedding" if self.tied else ""
+        shape = f"vocabulary {self.vocab_size}, hidden {self.hidden_size}{tied}"
+        return f"LM head of {self.model} ({shape}): chunk rows {rows}"
+
+    def replaced_lines(self) -> list[str]:
+        return [f"  {self.note}"]
 
 
 def _head(model: torch.nn.Module) -> torch.nn.Linear | None:
@@ -232,6 +243,7 @@ def _convert_one(model: torch.nn.Module, chunk_rows: int | None) -> None:
     _untraced_swaps()
     model.forward = _HeadForward(model, chunk_rows, model.__dict__.get("forward"))
     model.head_report = HeadReport(
+        replaced=[type(model).__name__],
         model=type(model).__name__,
         vocab_size=head.out_features,
         hidden_size=head.in_features,

@@ -19,50 +19,50 @@ from __future__ import annotations
 import sys
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
 from ...errors import FewBitError
-from ..modules import left_alone_lines, slots, swap
+from ..modules import slots, swap
+from ..report import Report
 from .nn import CompressedConv1D, CompressedLinear, compress_module
 from .quant import GROUP_SIZE, check_options
 
 __all__ = ["convert", "LinearReport", "owned_linears"]
 
 
-@dataclass
-class LinearReport:
-    """What :func:`convert` did: ``replaced`` (qualified names, original class), ``skipped`` (names, class,
-    reason) and how many layers were compressed already.
+@dataclass(kw_only=True)
+class LinearReport(Report):
+    """What :func:`convert` did: a :class:`~..report.Report` whose ``replaced`` are the layers replaced (qualified
+    name, original class), ``skipped`` the layers left alone (name, class, reason) and ``already`` how many layers
+    were compressed already.
 
     Attributes:
         bits: the bits of the codes
         group_size: elements per group
         rounding: ``'stochastic'`` or ``'nearest'``
-        replaced: qualified names and original class of the layers replaced
-        skipped: names, class and reason of the layers left alone
-        already: how many layers were compressed already
     """
 
     bits: int
     group_size: int
     rounding: str
-    replaced: list[tuple[str, str]] = field(default_factory=list)
-    skipped: list[tuple[str, str, str]] = field(default_factory=list)
-    already: int = 0
 
-    def __str__(self) -> str:
-        lines = [
-            f"compressed {len(self.replaced)} linear layer(s) ({self.bits} bits, groups of {self.group_size}, "
+    ALREADY: ClassVar[str] = "layer(s) were compressed already"
+
+    def head(self) -> str:
+        return (
+            f"compressed {self.count} linear layer(s) ({self.bits} bits, groups of {self.group_size}, "
             f"{self.rounding} rounding), left {len(self.skipped)} alone"
-        ]
+        )
+
+    def replaced_lines(self) -> list[str]:
         targets = {"Conv1D": CompressedConv1D.__name__}
-        for original, count in Counter(original for _, original in self.replaced).items():
-            lines.append(f"  {count} x {original} -> {targets.get(original, CompressedLinear.__name__)}")
-        skipped = ((original, reason) for _, original, reason in self.skipped)
-        lines += left_alone_lines(skipped, self.already, "layer(s) were compressed already")
-        return "\n".join(lines)
+        return [
+            f"  {count} x {original} -> {targets.get(original, CompressedLinear.__name__)}"
+            for original, count in Counter(original for _, original in self.replaced).items()
+        ]
 
 
 def owned_linears(model: torch.nn.Module) -> set[int]:
@@ -106,7 +106,7 @@ def convert(
         raise FewBitError(f"convert takes a torch.nn.Module, got {type(model).__name__}")
     if filter is not None and not callable(filter):
         raise FewBitError(f"filter must be None or a callable(name, module) -> bool, got {filter!r}")
-    report = LinearReport(bits, group_size, rounding)
+    report = LinearReport(bits=bits, group_size=group_size, rounding=rounding)
     targets = {torch.nn.Linear: CompressedLinear, _conv1d_class(): CompressedConv1D}
     found = slots(model)
     owned = owned_linears(model)

@@ -39,8 +39,9 @@ from dataclasses import dataclass, field
 import torch
 
 from ...errors import FewBitError, check_bits, check_positive
-from ..modules import slots, swap
+from ..modules import Skipped, class_path, slots, swap
 from ..probe import on_stand_in
+from ..report import Report
 from .nn import MemorySharingNorm
 from .ops import DEFAULT_THRESHOLD
 
@@ -58,19 +59,28 @@ PROBE_ULPS = 2
 PROBE_GRADIENT_TOLERANCE = 1e-4
 
 
-@dataclass
-class NormsReport:
-    """What :func:`convert` did: ``replaced`` maps a qualified name to ``"<class> as <kind>"``, ``left`` maps the
-    qualified name of a norm-like module left alone to the reason."""
+@dataclass(kw_only=True)
+class NormsReport(Report):
+    """What :func:`convert` did: a :class:`~..report.Report` whose ``replaced`` maps a qualified name to ``"<class> as
+    <kind>"`` and ``skipped`` lists the norm-like modules left alone (:class:`~..modules.Skipped`: names, class,
+    reason); :attr:`left` maps each of their qualified names to the reason. Memory-sharing norms already in the model
+    are left as they are, uncounted."""
 
     replaced: dict[str, str] = field(default_factory=dict)
-    left: dict[str, str] = field(default_factory=dict)
 
-    def __str__(self) -> str:
-        lines = [f"memory-sharing norms: replaced {len(self.replaced)} module(s), left {len(self.left)} alone"]
-        lines += [f"  {name or '(model)'}: {what}" for name, what in self.replaced.items()]
-        lines += [f"  left {name or '(model)'}: {reason}" for name, reason in self.left.items()]
-        return "\n".join(lines)
+    @property
+    def left(self) -> dict[str, str]:
+        """The qualified name of each norm-like module left alone -> the reason."""
+        return {name: item.reason for item in self.skipped for name in item.names}
+
+    def head(self) -> str:
+        return f"memory-sharing norms: replaced {self.count} module(s), left {len(self.left)} alone"
+
+    def replaced_lines(self) -> list[str]:
+        return [f"  {name or '(model)'}: {what}" for name, what in self.replaced.items()]
+
+    def left_lines(self) -> list[str]:
+        return [f"  left {name or '(model)'}: {reason}" for name, reason in self.left.items()]
 
 
 Builder = Callable[[torch.nn.Module], MemorySharingNorm]
@@ -256,11 +266,10 @@ def convert(
                 replacement.bits = bits
                 what = f"{what}, {bits}-bit output codes"
             replacements[id(module)] = replacement
-        for name in slot.names:
-            if replacement is not None:
-                report.replaced[name] = what
-            elif what and _norm_like(module):
-                report.left[name] = what
+        if replacement is not None:
+            report.replaced.update(dict.fromkeys(slot.names, what))
+        elif what and _norm_like(module):
+            report.skipped.append(Skipped(slot.names, class_path(type(module)), what))
     result = swap(model, found, replacements)
     result.norms_report = report
     return result
