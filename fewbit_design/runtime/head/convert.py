@@ -35,7 +35,8 @@ __all__ = ["HeadReport", "convert", "remove", "is_causal_lm"]
 @dataclass(kw_only=True)
 class HeadReport(Report):
     """What :func:`convert` did to one model (``model.head_report``): a :class:`~..report.Report` whose ``replaced``
-    is the model's head (its class name: the forward computes the loss a chunk of rows at a time).
+    is the model's head (its class name: the forward computes the loss a chunk of rows at a time); ``skipped`` and
+    ``already`` stay empty (a model converted again keeps its first report).
 
     Attributes:
         model: the model's class name.
