@@ -6,7 +6,8 @@ approximation on alone (the rest exact): the gated MLPs run a pure-torch autogra
 of everything except the named tensors, which go through the project's own quantizers (``linear.quant`` group
 codes, the few-bit table kernels), so the figures are those of the modes' parts; "the first version" is the
 first compressed mode (K-bit a, up and x, 3-bit few-bit codes of act'(gate)), "now" the shipped
-one (K-bit gate, up and x; act and act' recomputed from gate), also run through ``gated.convert`` itself.
+one (K-bit gate, up and x; act and act' recomputed from gate), also run through ``gated.convert`` itself, and the
+recompute mode (K-bit x alone; gate and up recomputed from it in backward).
 ``linear`` compresses the other linear layers' saved inputs (attention projections, the head) with
 ``linear.convert``.
 
@@ -118,6 +119,8 @@ VARIANTS = {
         "linear": True,
     },
     "now + linear (compressedK)": {"shipped": True, "linear": True},
+    "recompute: x only, gate and up rebuilt (gated.convert recompute)": {"shipped": "recompute"},
+    "recompute + linear (compress=K)": {"shipped": "recompute", "linear": True},
 }
 
 
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> None:
             for seed in [int(s) for s in args.seeds.split(",")]:
                 model = copy.deepcopy(native)
                 if spec.get("shipped"):
-                    model = gated.convert(model, mode="compressed", bits=bits)
+                    mode = spec["shipped"] if isinstance(spec["shipped"], str) else "compressed"
+                    model = gated.convert(model, mode=mode, bits=bits)
                 elif spec.get("on"):
                     _patch(model, spec)
                 if spec.get("linear"):

@@ -8,7 +8,9 @@ For a Hugging Face ``LlamaForCausalLM`` from a config (random weights), native a
   inductor's decompositions and ``min_cut_rematerialization_partition``, no code generation: what a compiled
   forward saves, counted the same way);
 * the training step time (forward + backward of the whole model), native eager and converted eager, interleaved
-  (harness.measure), medians and their ratio.
+  (harness.measure), medians and their ratio;
+
+for the exact mode (``gated``, the default) and the compressed and recompute modes at 8 bits.
 
 Prints a table and writes a CSV.
 
@@ -70,6 +72,15 @@ def saved(module, run, compiled: bool) -> int:
     return counted.total
 
 
+#: the variants: native, and gated.convert's modes (``gated``: the exact mode, the default)
+VARIANTS = {
+    "native": {},
+    "gated": {},
+    "compressed8": {"mode": "compressed", "bits": 8},
+    "recompute8": {"mode": "recompute", "bits": 8},
+}
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--hidden", type=int, default=256)
@@ -94,13 +105,17 @@ def main(argv=None) -> None:
     x = torch.randn(tokens, args.hidden, requires_grad=True)
     native_mlp = llama(1, args.hidden, args.width, vocab).model.layers[0].mlp
     models = {layers: llama(layers, args.hidden, args.width, vocab) for layers in (1, 2)}
-    for variant in ("native", "gated"):
+
+    def converted(model, variant):
+        return model if variant == "native" else convert(copy.deepcopy(model), **VARIANTS[variant])
+
+    for variant in VARIANTS:
         for compiled in (False, True):
-            mlp = native_mlp if variant == "native" else convert(copy.deepcopy(native_mlp))
+            mlp = converted(native_mlp, variant)
             per_mlp = saved(mlp, lambda target: target(x * 1), compiled)
             totals = {}
             for layers, model in models.items():
-                model = model if variant == "native" else convert(copy.deepcopy(model))
+                model = converted(model, variant)
                 totals[layers] = saved(model, lambda target: target(input_ids=ids, labels=ids).loss, compiled)
             rows.append(
                 {
@@ -111,10 +126,8 @@ def main(argv=None) -> None:
                     "per_token_per_mlp": per_mlp / tokens,
                 }
             )
-    native_model = models[2]
-    gated_model = convert(copy.deepcopy(native_model))
     timings = harness.measure(
-        {"native": step(native_model), "gated": step(gated_model)},
+        {variant: step(converted(models[2], variant)) for variant in VARIANTS},
         repeats=repeats,
         warmup=3,
         baseline="native",
@@ -136,14 +149,16 @@ def main(argv=None) -> None:
         )
     base = {row["compiled"]: row for row in rows if row["variant"] == "native"}
     for row in rows:
-        if row["variant"] == "gated":
+        if row["variant"] != "native":
             native = base[row["compiled"]]
             print(
-                f"gated / native {row['compiled']}: MLP {row['bytes_per_mlp'] / native['bytes_per_mlp']:.3f}, "
+                f"{row['variant']} / native {row['compiled']}: "
+                f"MLP {row['bytes_per_mlp'] / native['bytes_per_mlp']:.3f}, "
                 f"layer {row['bytes_per_layer'] / native['bytes_per_layer']:.3f}"
             )
-    ratio = timings["gated"].median / timings["native"].median
-    print(f"step time gated / native eager: {ratio:.3f} (medians of {timings.rounds} interleaved rounds)")
+    for variant in VARIANTS:
+        ratio = timings[variant].median / timings["native"].median
+        print(f"step time {variant} / native eager: {ratio:.3f} (medians of {timings.rounds} interleaved rounds)")
     harness.write_csv(args.out, rows)
 
 

@@ -130,7 +130,10 @@ def custom_op_flops(name: str, arguments: dict) -> float:
     size = sum(w.numel() for w in weights if isinstance(w, torch.Tensor))
     rows = next((_rows(arguments[k]) for k in ("x", "grad", "hidden") if isinstance(arguments.get(k), torch.Tensor)), 0)
     if name.startswith("gated_mlp"):
-        return (4.0 if backward else 2.0) * rows * size
+        flops = (4.0 if backward else 2.0) * rows * size
+        if name == "gated_mlp_recompute_backward":  # gate and up again, from x's codes
+            flops += 2.0 * rows * sum(w.numel() for w in weights[:2] if isinstance(w, torch.Tensor))
+        return flops
     if name.startswith("lm_loss"):  # the chunked head computes its logits again in backward
         return (6.0 if backward else 2.0) * rows * size
     return 0.0

@@ -96,7 +96,7 @@ def test_compress_8_on_llama_compresses_norms_gated_mlps_attention_and_every_lin
     # which then keep that one set; the compressed attention core keeps codes of q, k, v, not its output, so o_proj's
     # input is its own to compress. Before both, every linear outside the MLPs was left: q/k/v and the head read a
     # norm's full-precision output, o_proj the output SDPA kept. The MLPs' linears belong to the gated op, whose
-    # compressed mode compress=8 turns on
+    # recompute mode compress=8 turns on (it keeps the post-attention norm's codes of x, nothing of its own)
     native, inputs = build("llama")
     default = runtime.convert(copy.deepcopy(native))
     compressed = runtime.convert(copy.deepcopy(native), compress=8)
@@ -109,8 +109,8 @@ def test_compress_8_on_llama_compresses_norms_gated_mlps_attention_and_every_lin
     assert {name for name, _ in entry.report.replaced} == outside_mlps
     assert {n for n, m in compressed.named_modules() if isinstance(m, runtime.CompressedLinear)} == outside_mlps
     gated = [m for m in compressed.modules() if isinstance(m, runtime.GatedMLP)]
-    assert gated and all(m.mode == "compressed" and m.bits == 8 for m in gated)
-    assert "compressed mode, 8-bit" in compressed.convert_report.technique("gated").approximate
+    assert gated and all(m.mode == "recompute" and m.bits == 8 for m in gated)
+    assert "recompute mode, 8-bit" in compressed.convert_report.technique("gated").approximate
     assert all(m.mode == "exact" for m in default.modules() if isinstance(m, runtime.GatedMLP))
     assert saved(compressed, compressed, inputs) < saved(default, default, inputs)
 

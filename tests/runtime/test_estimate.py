@@ -150,3 +150,23 @@ def test_roofline_counts_the_compressed_linears_matrix_products():
                 model(x).sum().backward()
         flops.append(cost.flops)
     assert flops[1] == flops[0] == 3 * 2 * 64 * (256 * 512 * 2)  # forward, input and weight gradients, 2 layers
+
+
+@pytest.mark.parametrize("mode", ["exact", "compressed", "recompute"])
+def test_roofline_counts_the_gated_modes_matrix_products(mode):
+    # native: 3 products forward, 6 backward; the recompute mode runs gate's and up's forward products again
+    from fewbit_design.runtime.gated import LAYOUTS, GatedMLP
+
+    rows, hidden, width = 32, 64, 128
+    with fake_mode():
+        children = {
+            "gate_proj": torch.nn.Linear(hidden, width, bias=False),
+            "up_proj": torch.nn.Linear(hidden, width, bias=False),
+            "down_proj": torch.nn.Linear(width, hidden, bias=False),
+        }
+        module = GatedMLP(children, LAYOUTS[0], "silu", mode=mode)
+        x = torch.randn(rows, hidden, requires_grad=True)
+        with roofline(device("h100-80gb")) as cost:
+            module(x).sum().backward()
+    product = 2 * rows * hidden * width
+    assert cost.flops == (9 + (2 if mode == "recompute" else 0)) * product

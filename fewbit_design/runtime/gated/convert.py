@@ -92,8 +92,8 @@ class GatedReport(Report):
     ``already`` how many were converted already.
 
     Attributes:
-        mode: the mode the replacements run (``"exact"`` or ``"compressed"``)
-        bits: the bits of the compressed mode's value codes (unused in exact mode)
+        mode: the mode the replacements run (``"exact"``, ``"compressed"`` or ``"recompute"``)
+        bits: the bits of the codes (unused in exact mode)
     """
 
     mode: str = "exact"
@@ -106,9 +106,11 @@ class GatedReport(Report):
 
     def replaced_lines(self) -> list[str]:
         lines = []
-        kept = (
-            "saves x, gate, up" if self.mode == "exact" else f"compressed: saves {self.bits}-bit codes of x, gate, up"
-        )
+        kept = {
+            "exact": "saves x, gate, up",
+            "compressed": f"compressed: saves {self.bits}-bit codes of x, gate, up",
+            "recompute": f"recompute: saves {self.bits}-bit codes of x, rebuilds gate and up",
+        }[self.mode]
         for (original, activation, fused), count in Counter(
             (item.original, item.activation, item.fused) for item in self.replaced
         ).items():
@@ -259,10 +261,11 @@ def convert(
 ) -> torch.nn.Module:
     """Replace the gated MLPs of ``model`` (in place) by :class:`~.nn.GatedMLP`; returns the model.
 
-    ``mode``: ``"exact"`` (keep x, gate and up; exact gradients) or ``"compressed"`` (``bits``-bit group codes of x,
+    ``mode``: ``"exact"`` (keep x, gate and up; exact gradients), ``"compressed"`` (``bits``-bit group codes of x,
     gate and up, 2 to 8 bits, act(gate) and act'(gate) recomputed from gate's: exact forward, approximate gradients; see
-    :mod:`.compressed`); ``rounding``: the compressed mode's, ``"stochastic"`` (unbiased, the default) or
-    ``"nearest"``. A module that is a :class:`~.nn.GatedMLP` already keeps its mode.
+    :mod:`.compressed`) or ``"recompute"`` (``bits``-bit group codes of x alone, gate and up recomputed from them in
+    backward: two matmuls more; :mod:`.recompute`); ``rounding``: the codes', ``"stochastic"`` (unbiased, the
+    default) or ``"nearest"``. A module that is a :class:`~.nn.GatedMLP` already keeps its mode.
 
     The report (:class:`GatedReport`: what was replaced, what was left alone and why) is ``model.gated_report``. A
     model that is itself a gated MLP cannot be changed in place: its replacement is returned (use the return value).

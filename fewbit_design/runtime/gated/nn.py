@@ -12,12 +12,15 @@ from ..linear.quant import GROUP_SIZE, check_options
 from ..modules import class_path
 from .compressed import gated_mlp_compressed
 from .ops import ACTIVATIONS, gated_mlp
+from .recompute import gated_mlp_recompute
 
 __all__ = ["GatedMLP", "Layout", "LAYOUTS", "MODES"]
 
 #: the op's modes: ``exact`` keeps x, gate and up (exact gradients); ``compressed`` keeps K-bit group codes of
-#: x, gate and up and recomputes act(gate) and act'(gate) from them (approximate gradients, :mod:`.compressed`)
-MODES = ("exact", "compressed")
+#: x, gate and up and recomputes act(gate) and act'(gate) from them (approximate gradients, :mod:`.compressed`);
+#: ``recompute`` keeps K-bit group codes of x only and recomputes gate and up from them (two matmuls more in
+#: backward; approximate gradients, :mod:`.recompute`)
+MODES = ("exact", "compressed", "recompute")
 
 
 class Layout(NamedTuple):
@@ -41,8 +44,9 @@ LAYOUTS = (
 class GatedMLP(NotScriptable, torch.nn.Module):
     """``down(act(gate(x)) * up(x))`` with the gated-MLP op: ``mode="exact"`` saves x, gate and up (exact
     gradients); ``mode="compressed"`` saves ``bits``-bit group codes of x, gate and up (``group_size``, ``rounding``
-    as in :func:`fewbit_design.runtime.linear.convert`) and recomputes act(gate) and act'(gate) from gate's codes,
-    with an exact forward and approximate gradients.
+    as in :func:`fewbit_design.runtime.linear.convert`) and recomputes act(gate) and act'(gate) from gate's codes;
+    ``mode="recompute"`` saves ``bits``-bit group codes of x only and recomputes gate and up from them. Both have an
+    exact forward and approximate gradients.
 
     It holds the original module's children under their own names (the same ``nn.Linear`` objects, so parameter
     names, ``state_dict`` keys and optimizer state are unchanged); ``activation`` is one of
@@ -105,14 +109,15 @@ class GatedMLP(NotScriptable, torch.nn.Module):
         )
         if self.mode == "exact":
             return gated_mlp(*arguments)
-        return gated_mlp_compressed(*arguments, bits=self.bits, group_size=self.group_size, rounding=self.rounding)
+        op = gated_mlp_compressed if self.mode == "compressed" else gated_mlp_recompute
+        return op(*arguments, bits=self.bits, group_size=self.group_size, rounding=self.rounding)
 
     def extra_repr(self) -> str:
         fused = ", fused gate_up" if self.layout.up is None else ""
         if self.mode == "exact":
             return f"activation={self.activation!r}{fused}"
         return (
-            f"activation={self.activation!r}{fused}, mode='compressed', bits={self.bits}, group_size="
+            f"activation={self.activation!r}{fused}, mode={self.mode!r}, bits={self.bits}, group_size="
             f"{self.group_size}, rounding={self.rounding!r}"
         )
 

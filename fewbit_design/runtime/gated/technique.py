@@ -1,7 +1,8 @@
 """The gated-MLP op as the runtime sees it: every gated MLP (``down(act(gate(x)) * up(x))``) keeps x, gate and up
-for backward and recomputes the rest (exact gradients), or, in compressed mode, K-bit codes of x, gate and up,
-recomputing act(gate) and act'(gate) from gate's (approximate gradients). Plan settings: ``gated_mode``
-(``"exact"``, the default, or ``"compressed"``) and ``gated_bits`` (K, 2 to 8, default 8; read in compressed mode)."""
+for backward and recomputes the rest (exact gradients); in compressed mode, K-bit codes of x, gate and up,
+recomputing act(gate) and act'(gate) from gate's; in recompute mode, K-bit codes of x alone, recomputing gate and up
+from them (approximate gradients both). Plan settings: ``gated_mode`` (``"exact"``, the default, ``"compressed"`` or
+``"recompute"``) and ``gated_bits`` (K, 2 to 8, default 8; read in the compressed and recompute modes)."""
 
 from __future__ import annotations
 
@@ -20,9 +21,9 @@ class GatedOptions:
     """Options of the gated-MLP op.
 
     Attributes:
-        mode: ``"exact"`` or ``"compressed"``.
-        bits: the compressed mode's code width, 2 to 8.
-        rounding: the compressed mode's rounding, ``"stochastic"`` or ``"nearest"`` (not a plan setting).
+        mode: ``"exact"``, ``"compressed"`` or ``"recompute"``.
+        bits: the code width of the compressed and recompute modes, 2 to 8.
+        rounding: their rounding, ``"stochastic"`` or ``"nearest"`` (not a plan setting).
     """
 
     mode: str = "exact"
@@ -44,7 +45,7 @@ def _convert(model: torch.nn.Module, options: GatedOptions, probe: Any) -> torch
 def _approximate(options: GatedOptions) -> str | None:
     if options.mode == "exact":
         return None
-    return f"gradients of gated MLPs (compressed mode, {options.bits}-bit values)"
+    return f"gradients of gated MLPs ({options.mode} mode, {options.bits}-bit values)"
 
 
 TECHNIQUE = Technique(
@@ -57,6 +58,6 @@ TECHNIQUE = Technique(
     in_convert=ConvertRole(
         "gated_report",
         switch="gated",
-        compress=lambda options, bits: GatedOptions("compressed", bits, options.rounding),
+        compress=lambda options, bits: GatedOptions("recompute", bits, options.rounding),
     ),
 )

@@ -298,7 +298,7 @@ def test_convert_compressed_mode_and_report():
 
 
 def test_bad_options_are_one_line():
-    with pytest.raises(FewBitError, match="gated MLP mode must be 'exact' or 'compressed', got 'lossy'"):
+    with pytest.raises(FewBitError, match="gated MLP mode must be 'exact', 'compressed' or 'recompute', got 'lossy'"):
         convert(Llama(), mode="lossy")
     with pytest.raises(FewBitError, match="bits must be .*2.*8.*, got 9"):
         convert(Llama(), mode="compressed", bits=9)

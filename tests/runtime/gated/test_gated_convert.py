@@ -179,7 +179,7 @@ def test_technique_contract():
     assert (TECHNIQUE.name, TECHNIQUE.seam, TECHNIQUE.exact) == ("gated", "module", True)
     assert TECHNIQUE.config({}) == GatedOptions("exact", 8)
     assert TECHNIQUE.config({"gated_mode": "compressed", "gated_bits": 4}) == GatedOptions("compressed", 4)
-    with pytest.raises(FewBitError, match="gated_mode must be 'exact' or 'compressed', got 'lossy'"):
+    with pytest.raises(FewBitError, match="gated_mode must be 'exact', 'compressed' or 'recompute', got 'lossy'"):
         TECHNIQUE.config({"gated_mode": "lossy"})
     with pytest.raises(FewBitError, match="gated_bits must be .*8.*, got 9"):
         TECHNIQUE.config({"gated_mode": "compressed", "gated_bits": 9})
