@@ -20,7 +20,7 @@ dtypes), so any difference is something one side allocated or kept and the other
 took (building, converting and measuring; wall clock, on a shared machine) are printed for scale, not compared.
 
 Measured on the 2-core development CPU at 256 tokens (benchmarks/results/fake_mode_accuracy.csv): saved bytes equal
-for all four (51,546,112 native = 196.6 KiB/token; convert 90.6; compress=8 52.3; compress=4 29.3), the same convert
+for all four (51,546,112 native = 196.6 KiB/token; convert 90.6; compress=8 20.8; compress=4 11.8), the same convert
 decisions, and the step peak equal for native and convert. Under ``compress=8`` and ``compress=4`` fake mode's peak is
 14,731,264 bytes (3.2%) below the real one: the real peak falls inside the backward of the layer's input RMSNorm,
 whose float32 temporaries (about 3.5 copies of the 256 x 4096 rows) a compressed norm runs inside one custom op
