@@ -50,7 +50,9 @@ def _compiled_bytes(model, budget):
 
 
 def test_compress_8_llama_compiled_at_budget_0_5_recomputes_every_block():
-    """At 2 x 32 tokens (the knapsack's choice depends on the sizes: at 2 x 16 it keeps part of a block)."""
+    """At 2 x 32 tokens (the knapsack's choice depends on the sizes: at 2 x 16 it keeps part of a block), with the
+    gated op in its compressed mode (K-bit gate and up codes; ``compress=K`` runs the recompute mode, whose block the
+    knapsack keeps part of at these sizes)."""
     models = []
     for layers in (1, 2):
         torch.manual_seed(0)
@@ -61,7 +63,11 @@ def test_compress_8_llama_compiled_at_budget_0_5_recomputes_every_block():
         )  # fmt: skip
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)
-            models.append(runtime.convert(transformers.LlamaForCausalLM(config).train(), compress=8))
+            model = runtime.convert(transformers.LlamaForCausalLM(config).train(), compress=8)
+        for module in model.modules():
+            if isinstance(module, runtime.GatedMLP):
+                module.mode = "compressed"
+        models.append(model)
     one, two = (_compiled_bytes(copy.deepcopy(m), 0.5) for m in models)
     assert two == one  # the second block keeps nothing: recomputed in backward
     one, two = (_compiled_bytes(copy.deepcopy(m), 1.0) for m in models)
