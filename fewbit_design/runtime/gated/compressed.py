@@ -80,7 +80,7 @@ from .ops import (
     prepare_inputs,
 )
 
-__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token"]
+__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token", "coded_entry"]
 
 
 def saved_nbytes_per_token(hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, tokens: int = 1) -> int:
@@ -374,22 +374,38 @@ def gated_mlp_compressed(
         group_size: elements per group sharing one scale and offset.
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
     """
-    bits, group_size, rounding = check_options(bits, group_size, rounding)
-    weights = (w_gate, b_gate, w_up, b_up, w_down, b_down)
-    x, weights = prepare_inputs(x, weights, activation)
-    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    stochastic = rounding == "stochastic"
-    with torch.autocast(x.device.type, enabled=False):
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights))):
-            y = gated_mlp_reference(rows, *weights, activation)  # nothing to save
-            return y.reshape(*leading, y.shape[-1])
-        w_gate, b_gate, w_up, b_up = weights[:4]
-        if any(t is not None and t.requires_grad for t in (w_gate, b_gate, w_up, b_up)):
+
+    def run(x, rows, weights, stochastic):
+        if any(t is not None and t.requires_grad for t in weights[:4]):
             x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a compressed linear
         else:  # no gate or up weight gradient: x is not needed
             x_packed, x_scales = rows.new_empty(0, dtype=torch.uint8), rows.new_empty(0, 0, 2, dtype=torch.float32)
         # the seed comes from torch's default CPU generator: torch.manual_seed makes the codes reproducible
         seed = torch.randint(0, 2**62, (), dtype=torch.int64)
-        operator = torch.ops.fewbit.gated_mlp_compressed if tracing(rows, w_gate) else _GatedCompressedEager.apply
-        y, *_ = operator(rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales)
+        operator = torch.ops.fewbit.gated_mlp_compressed if tracing(rows, weights[0]) else _GatedCompressedEager.apply
+        return operator(rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales)[0]
+
+    bits, group_size, rounding = check_options(bits, group_size, rounding)
+    return coded_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, rounding, run)
+
+
+def coded_entry(x: torch.Tensor, weights: tuple, activation: str, rounding: str, run) -> torch.Tensor:
+    """The entry of the modes that keep codes (compressed, recompute): ``x`` and ``weights`` checked and cast
+    (:func:`~.ops.prepare_inputs`), the leading dimensions flattened, autocast off; the reference forward when nothing
+    needs a gradient (nothing to save), else ``run(x, rows, weights, stochastic)``, the mode's op on the rows.
+
+    Args:
+        x: the input (..., H).
+        weights: ``(w_gate, b_gate, w_up, b_up, w_down, b_down)``.
+        activation: the activation's name.
+        rounding: ``"stochastic"`` or ``"nearest"`` (checked).
+        run: the mode's call, returning y for the rows.
+    """
+    x, weights = prepare_inputs(x, weights, activation)
+    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
+    with torch.autocast(x.device.type, enabled=False):
+        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
+            y = run(x, rows, weights, rounding == "stochastic")
+        else:
+            y = gated_mlp_reference(rows, *weights, activation)  # nothing to save
     return y.reshape(*leading, y.shape[-1])

@@ -223,16 +223,24 @@ def _backward_exact(
     )
 
 
+def fake_parameter_grads(
+    w_gate: torch.Tensor, w_up: torch.Tensor | None, w_down: torch.Tensor, like: torch.Tensor
+) -> tuple[torch.Tensor, ...]:
+    """The fake kernels' (dW_gate, db_gate, dW_up, db_up, dW_down, db_down) of a backward that computes every
+    parameter gradient: empty tensors (of ``like``) for the up projection's in the fused layout."""
+
+    def pair(weight: torch.Tensor | None) -> list[torch.Tensor]:
+        if weight is None:
+            return [like.new_empty(0), like.new_empty(0)]
+        return [weight.new_empty(weight.shape), weight.new_empty(weight.shape[0])]
+
+    return (*pair(w_gate), *pair(w_up), *pair(w_down))
+
+
 @_gated_mlp_backward_op.register_fake
 def _(grad, x, gate, up, w_gate, w_up, w_down, activation, input_grad):
     grad_x = torch.empty_like(x, memory_format=torch.contiguous_format) if input_grad else x.new_empty(0)
-    grad_w_down, grad_b_down = w_down.new_empty(w_down.shape), w_down.new_empty(w_down.shape[0])
-    grad_w_gate, grad_b_gate = w_gate.new_empty(w_gate.shape), w_gate.new_empty(w_gate.shape[0])
-    if w_up is None:
-        grad_w_up, grad_b_up = x.new_empty(0), x.new_empty(0)
-    else:
-        grad_w_up, grad_b_up = w_up.new_empty(w_up.shape), w_up.new_empty(w_up.shape[0])
-    return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+    return (grad_x, *fake_parameter_grads(w_gate, w_up, w_down, x))
 
 
 def _wanted_grads(

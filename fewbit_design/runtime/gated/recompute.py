@@ -31,14 +31,8 @@ from ...errors import FewBitError
 from .._eager import eager_twin, tracing
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_shared, saved_nbytes
-from .ops import (
-    SECOND_ORDER_MESSAGE,
-    _backward_exact,
-    _gated_forward,
-    _wanted_grads,
-    gated_mlp_reference,
-    prepare_inputs,
-)
+from .compressed import coded_entry
+from .ops import SECOND_ORDER_MESSAGE, _backward_exact, _gated_forward, _wanted_grads, fake_parameter_grads
 
 __all__ = ["gated_mlp_recompute", "saved_nbytes_per_token"]
 
@@ -116,15 +110,8 @@ def _backward_op(
 
 @_backward_op.register_fake
 def _(grad, x_packed, x_scales, w_gate, b_gate, w_up, b_up, w_down, activation, bits, group_size, input_grad):
-    rows, hidden = grad.shape[0], w_gate.shape[1]
-    grad_x = grad.new_empty(rows, hidden) if input_grad else grad.new_empty(0)
-    grad_w_down, grad_b_down = w_down.new_empty(w_down.shape), w_down.new_empty(w_down.shape[0])
-    grad_w_gate, grad_b_gate = w_gate.new_empty(w_gate.shape), w_gate.new_empty(w_gate.shape[0])
-    if w_up is None:
-        grad_w_up, grad_b_up = grad.new_empty(0), grad.new_empty(0)
-    else:
-        grad_w_up, grad_b_up = w_up.new_empty(w_up.shape), w_up.new_empty(w_up.shape[0])
-    return grad_x, grad_w_gate, grad_b_gate, grad_w_up, grad_b_up, grad_w_down, grad_b_down
+    grad_x = grad.new_empty(grad.shape[0], w_gate.shape[1]) if input_grad else grad.new_empty(0)
+    return (grad_x, *fake_parameter_grads(w_gate, w_up, w_down, grad))
 
 
 def _setup_context(ctx, inputs, output) -> None:
@@ -187,14 +174,11 @@ def gated_mlp_recompute(
         group_size: elements per group sharing one scale and offset.
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
     """
-    bits, group_size, rounding = check_options(bits, group_size, rounding)
-    x, weights = prepare_inputs(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation)
-    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    with torch.autocast(x.device.type, enabled=False):
-        if not (torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights))):
-            y = gated_mlp_reference(rows, *weights, activation)  # nothing to save
-            return y.reshape(*leading, y.shape[-1])
-        x_packed, x_scales = input_codes(x, bits, group_size, rounding == "stochastic")  # shared with a norm, linears
+
+    def run(x, rows, weights, stochastic):
+        x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a norm, linears
         operator = torch.ops.fewbit.gated_mlp_recompute if tracing(rows, weights[0]) else _GatedRecomputeEager.apply
-        y = operator(rows, *weights, activation, bits, group_size, x_packed, x_scales)
-    return y.reshape(*leading, y.shape[-1])
+        return operator(rows, *weights, activation, bits, group_size, x_packed, x_scales)
+
+    bits, group_size, rounding = check_options(bits, group_size, rounding)
+    return coded_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, rounding, run)

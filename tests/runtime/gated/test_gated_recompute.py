@@ -7,7 +7,7 @@ import copy
 
 import pytest
 import torch
-from test_gated_compressed import Llama
+from test_gated_compressed import Llama, gradients, saved
 from test_gated_op import NativeGated, replacement
 
 from fewbit_design import runtime
@@ -22,18 +22,6 @@ def recomputing(native, bits, **options):
     layout = LAYOUTS[3] if native.fused else LAYOUTS[0]
     children = copy.deepcopy(dict(native.named_children()))
     return GatedMLP(children, layout, native.activation, mode="recompute", bits=bits, **options)
-
-
-def gradients(module, x, g):
-    x = x.detach().requires_grad_()
-    y = module(x)
-    return y, torch.autograd.grad(y, [x, *module.parameters()], g)
-
-
-def saved(module, x):
-    with memory.saved_bytes(module) as counted:
-        module(x * 1)  # a non-leaf input, as inside a model
-    return counted.total
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
