@@ -23,18 +23,20 @@ Prints, per family and variant, the predicted and measured ratio to eager and th
 (predicted / measured - 1), with the absolute times (the roofline is a lower bound; ratios are what it is for);
 writes a CSV (``--out``, default benchmarks/results/estimate_accuracy.csv). The target is an error within 10%.
 
-Measured on the 2-core development CPU (one thread, process time, 7 rounds; benchmarks/results/estimate_accuracy.csv):
+Measured on the 2-core development CPU (one thread, process time, 7 rounds; benchmarks/results/estimate_accuracy.csv;
+``compress=K`` runs the gated op's recompute mode):
 
-* 512x512: every predicted ratio within 8.3% of the measured one (checkpointing 1.282 against 1.184 for LLaMA, 1.289
-  against 1.225 for GPT-2; ``convert`` within 3.6%; ``compress=8`` within 1.7%; ``compress=4`` within 8.0%). The
-  measured checkpointing ratio of LLaMA was 1.259 in an earlier run of 5 rounds (1.184 here): the shared machine.
-* 256x256: checkpointing within 1.4% and ``convert`` within 7.5%, but ``compress=8`` and ``compress=4`` miss: the
-  roofline predicts 0.96x of eager, the CPU measures 1.08-1.16x (errors -10.8% to -17.2%). The roofline prices each
-  of the project's custom ops as one pass over its inputs and outputs, as its fused CUDA kernels run; on a CPU the
-  quantizer and the decoders run as separate torch operators (a ``compress=4`` LLaMA step dispatches 4,326 aten
-  operators against eager's 2,433 and ``convert``'s 2,960), whose extra passes and per-operator overhead the
-  roofline does not count. The smaller the layer, the larger that overhead is against the matrix products (at
-  width 64, one round, they reached 59%): the CPU prediction holds where the matrix products dominate the step.
+* 512x512: every predicted ratio within 8.9% of the measured one (checkpointing 1.282 against 1.177 for LLaMA, 1.289
+  against 1.247 for GPT-2; ``convert`` within 7.6%; ``compress=8`` within 6.7%; ``compress=4`` within 7.0%). The
+  measured checkpointing ratio of LLaMA moves between runs on the shared machine (1.259, 1.184, 1.177).
+* 256x256: checkpointing within 2.2% and ``convert`` within 6.9%, but ``compress=8`` and ``compress=4`` miss: the
+  roofline predicts 0.96-1.05x of eager, the CPU measures 1.08-1.29x (errors -10.7% to -19.1%). The roofline prices
+  each of the project's custom ops as one pass over its inputs and outputs, as its fused CUDA kernels run; on a CPU
+  the quantizer, the decoders and the compressed attention core's backward run as separate torch operators (a
+  ``compress=4`` LLaMA step dispatches about 4,300 aten operators against eager's 2,433), whose extra passes and
+  per-operator overhead the roofline does not count. The quantizer and decoder alone do not explain it (measured
+  at 0.4 ns per element here, a few ms of the 50 ms gap). The smaller the layer, the larger that overhead is against
+  the matrix products: the CPU prediction holds where the matrix products dominate the step.
 """
 
 from __future__ import annotations
