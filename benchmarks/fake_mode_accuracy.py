@@ -21,12 +21,11 @@ took (building, converting and measuring; wall clock, on a shared machine) are p
 
 Measured on the 2-core development CPU at 256 tokens (benchmarks/results/fake_mode_accuracy.csv): saved bytes equal
 for all four (51,546,112 native = 196.6 KiB/token; convert 90.6; compress=8 20.8; compress=4 11.8), the same convert
-decisions, and the step peak equal for native and convert. Under ``compress=8`` and ``compress=4`` fake mode's peak is
-14,731,264 bytes (3.2%) below the real one: the real peak falls inside the backward of the layer's input RMSNorm,
-whose float32 temporaries (about 3.5 copies of the 256 x 4096 rows) a compressed norm runs inside one custom op
-(``fewbit::norm_backward``), which under fake mode is its fake kernel: outputs only (docs/memory.md: the scratch
-inside the project's custom ops is what fake mode cannot see). The exact norm's eager backward runs as separate
-operators, which fake mode sees.
+decisions, and the step peak equal for all four. Under ``compress=8`` and ``compress=4`` fake mode's peak was
+14,731,264 bytes (3.2%) below the real one while the compressed norm's backward ran as its custom op under fake mode:
+the real peak falls inside the backward of the layer's input RMSNorm, whose float32 temporaries (about 3.5 copies of
+the 256 x 4096 rows) the op's fake kernel does not allocate. Under fake mode, outside compilation, the norm's (and
+the gated op's recompute mode's) backward now runs its eager body, whose allocations fake mode sees.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["eager_twin", "tracing"]
+__all__ = ["eager_twin", "tracing", "fake_eager"]
 
 
 def tracing(*tensors: torch.Tensor | None) -> bool:
@@ -28,6 +28,25 @@ def tracing(*tensors: torch.Tensor | None) -> bool:
     if torch.compiler.is_compiling():
         return True
     return any(tensor is not None and not _real(tensor) for tensor in tensors)
+
+
+def fake_eager(*tensors: torch.Tensor | None) -> bool:
+    """Whether the caller runs eagerly on fake tensors (a model measured under ``runtime.fake.fake_mode()``): every
+    tensor given is a ``FakeTensor`` and nothing compiles, traces (``make_fx``, AOTAutograd) or functionalizes. Such
+    a caller may run the Python body of an op whose body is plain torch instead of the custom op (which :func:`tracing`
+    picks for fake tensors): the body allocates what the eager twin allocates, which ``memory.peak`` then sees, where
+    the custom op's fake kernel gives only its outputs.
+
+    Args:
+        tensors: the tensors the caller is about to compute with (None entries are skipped)
+    """
+    from torch._subclasses.fake_tensor import FakeTensor
+
+    present = [tensor for tensor in tensors if tensor is not None]
+    if not present or any(type(tensor) is not FakeTensor for tensor in present) or torch.compiler.is_compiling():
+        return False
+    keys = torch._C._TorchDispatchModeKey
+    return all(torch._C._get_dispatch_mode(key) is None for key in (keys.PROXY, keys.FUNCTIONAL))
 
 
 def _real(tensor: torch.Tensor) -> bool:

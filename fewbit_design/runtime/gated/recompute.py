@@ -28,9 +28,9 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import FewBitError
-from .._eager import eager_twin, tracing
+from .._eager import eager_twin, fake_eager, tracing
 from ..linear.ops import _codes as input_codes
-from ..linear.quant import GROUP_SIZE, check_options, dequantize_shared, saved_nbytes
+from ..linear.quant import GROUP_SIZE, check_options, dequantize_codes, saved_nbytes
 from .compressed import coded_entry
 from .ops import SECOND_ORDER_MESSAGE, _backward_exact, _gated_forward, _wanted_grads, fake_parameter_grads
 
@@ -81,7 +81,7 @@ def _recomputed_backward(
     grad, x_packed, x_scales, w_gate, b_gate, w_up, b_up, w_down, activation, bits, group_size, needs
 ) -> tuple[torch.Tensor | None, ...]:
     """The exact backward on x~ and on gate~ and up~ recomputed from it (``needs``: as :func:`.ops._backward_exact`)."""
-    x = dequantize_shared(x_packed, x_scales, w_gate.shape[1], bits, group_size, grad.dtype)  # read by the norm too
+    x = dequantize_codes(x_packed, x_scales, w_gate.shape[1], bits, group_size, grad.dtype)  # read by the norm too
     gate = F.linear(x, w_gate, b_gate)  # the fused layout: both halves, as the exact mode keeps them
     up = x.new_empty(0) if w_up is None else F.linear(x, w_up, b_up)
     return _backward_exact(grad, x, gate, up, w_gate, w_up, w_down, activation, needs)
@@ -130,7 +130,7 @@ def _backward(ctx, grad):
     saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     arguments = (grad.contiguous(), *saved, *ctx.options)
-    if tracing(grad, saved[0]):
+    if tracing(grad, saved[0]) and not fake_eager(grad, saved[0]):  # fake eager: the body's temporaries, seen
         grads = torch.ops.fewbit.gated_mlp_recompute_backward(*arguments, bool(needs[0]))
     else:
         has_b_gate, has_b_up, has_b_down = ctx.biases
