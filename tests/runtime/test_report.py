@@ -5,8 +5,8 @@ anything else is refused with a line naming it."""
 from __future__ import annotations
 
 import pytest
-import toy_technique.technique as toy
 import torch
+import toy_technique.technique as toy
 from families import build
 
 from fewbit_design import runtime
