@@ -4,10 +4,11 @@ what was done and measured. This module names no technique: it reads the registr
 
 What runs. By default, the techniques whose role is on by default (in registry order: memory-sharing norms, the
 gated-MLP op, the exact attention core and few-bit activations: exact gradients except the activations'); with
-``compress=K``, every technique in the form its role gives for K bits (K-bit codes: norms' outputs, gated MLPs,
-attention's q, k and v, linear layers' inputs; approximate gradients). A technique's switch turns it off
-(``norms=False``); its keywords set its options (few-bit's ``bits``, ``weight``, ``mode``, ``filter``, ``tables``,
-``only_if_smaller``, ``strict``). :func:`keywords` lists them; the docs' technique pages describe each.
+``compress=K``, every technique in the form its role gives for K bits (K-bit codes: norms' outputs, attention's q,
+k and v, linear layers' inputs; gated MLPs recompute gate and up from their input's codes; approximate gradients).
+A technique's switch turns it off (``norms=False``); its keywords set its options (few-bit's ``bits``, ``weight``,
+``mode``, ``filter``, ``tables``, ``only_if_smaller``, ``strict``). :func:`keywords` lists them; the docs'
+technique pages describe each.
 
 Never more memory: with a probe (``example_inputs``, or for a Hugging Face ``PreTrainedModel`` inputs built from its
 config, caches off while probing: :mod:`.probe`) the bytes saved for backward by one training step are measured
