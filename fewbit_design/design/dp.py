@@ -45,7 +45,8 @@ _SEGMENTS_LEVELS = 6
 
 @numba.njit(cache=True)
 def _cost(W, FW, F2, j, i):  # pragma: no cover - compiled
-    # The hot loops repeat these lines inline: a call per candidate is several times slower in numba.
+    # The hot loops repeat these lines inline: a call per candidate is several times slower in numba, and so is this
+    # function with numba.njit(inline="always") (measured: 2.3-4.3x on the intervals and level-sets DPs, one thread).
     mass = W[i] - W[j]
     value = F2[i] - F2[j]
     if mass > 0.0:
