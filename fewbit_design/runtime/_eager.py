@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-__all__ = ["eager_twin", "tracing", "fake_eager"]
+__all__ = ["eager_twin", "tracing", "fake_eager", "traced_body"]
 
 
 def tracing(*tensors: torch.Tensor | None) -> bool:
@@ -47,6 +47,16 @@ def fake_eager(*tensors: torch.Tensor | None) -> bool:
         return False
     keys = torch._C._TorchDispatchModeKey
     return all(torch._C._get_dispatch_mode(key) is None for key in (keys.PROXY, keys.FUNCTIONAL))
+
+
+def traced_body(*tensors: torch.Tensor | None) -> bool:
+    """Whether a caller whose op body is plain torch must call the custom op: :func:`tracing`, except eagerly on fake
+    tensors (:func:`fake_eager`), where the body runs so that fake mode sees its temporaries.
+
+    Args:
+        tensors: the tensors the caller is about to compute with (None entries are skipped)
+    """
+    return tracing(*tensors) and not fake_eager(*tensors)
 
 
 def _real(tensor: torch.Tensor) -> bool:

@@ -76,11 +76,10 @@ from .ops import (
     _activation_backward,
     _gated_forward,
     _wanted_grads,
-    gated_mlp_reference,
-    prepare_inputs,
+    mode_entry,
 )
 
-__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token", "coded_entry"]
+__all__ = ["gated_mlp_compressed", "saved_nbytes_per_token"]
 
 
 def saved_nbytes_per_token(hidden: int, width: int, *, bits: int, group_size: int = GROUP_SIZE, tokens: int = 1) -> int:
@@ -375,7 +374,8 @@ def gated_mlp_compressed(
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
     """
 
-    def run(x, rows, weights, stochastic):
+    def run(x, rows, weights):
+        stochastic = rounding == "stochastic"
         if any(t is not None and t.requires_grad for t in weights[:4]):
             x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a compressed linear
         else:  # no gate or up weight gradient: x is not needed
@@ -386,26 +386,4 @@ def gated_mlp_compressed(
         return operator(rows, *weights, activation, bits, group_size, stochastic, seed, x_packed, x_scales)[0]
 
     bits, group_size, rounding = check_options(bits, group_size, rounding)
-    return coded_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, rounding, run)
-
-
-def coded_entry(x: torch.Tensor, weights: tuple, activation: str, rounding: str, run) -> torch.Tensor:
-    """The entry of the modes that keep codes (compressed, recompute): ``x`` and ``weights`` checked and cast
-    (:func:`~.ops.prepare_inputs`), the leading dimensions flattened, autocast off; the reference forward when nothing
-    needs a gradient (nothing to save), else ``run(x, rows, weights, stochastic)``, the mode's op on the rows.
-
-    Args:
-        x: the input (..., H).
-        weights: ``(w_gate, b_gate, w_up, b_up, w_down, b_down)``.
-        activation: the activation's name.
-        rounding: ``"stochastic"`` or ``"nearest"`` (checked).
-        run: the mode's call, returning y for the rows.
-    """
-    x, weights = prepare_inputs(x, weights, activation)
-    leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
-    with torch.autocast(x.device.type, enabled=False):
-        if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
-            y = run(x, rows, weights, rounding == "stochastic")
-        else:
-            y = gated_mlp_reference(rows, *weights, activation)  # nothing to save
-    return y.reshape(*leading, y.shape[-1])
+    return mode_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, run)

@@ -380,14 +380,31 @@ def gated_mlp(
         b_down: down bias or None
         activation: one of :data:`ACTIVATIONS`
     """
-    x, weights = prepare_inputs(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation)
+
+    def run(x, rows, weights):
+        if torch.compiler.is_compiling():  # the custom op: one graph, fake kernels
+            return torch.ops.fewbit.gated_mlp(rows, *weights, activation)[0]
+        return _ExactGatedMLP.apply(rows, *weights, activation)  # eager: the same kernels without the dispatch
+
+    return mode_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, run)
+
+
+def mode_entry(x: torch.Tensor, weights: tuple, activation: str, run) -> torch.Tensor:
+    """Every mode's entry point: ``x`` and ``weights`` checked and cast (:func:`prepare_inputs`), the leading
+    dimensions flattened, autocast off; the reference forward when nothing needs a gradient (nothing to save: the
+    same kernels without the custom op's dispatch), else ``run(x, rows, weights)``, the mode's op on the rows.
+
+    Args:
+        x: the input (..., H).
+        weights: ``(w_gate, b_gate, w_up, b_up, w_down, b_down)``.
+        activation: the activation's name.
+        run: the mode's call, returning y for the rows.
+    """
+    x, weights = prepare_inputs(x, weights, activation)
     leading, rows = x.shape[:-1], x.reshape(-1, x.shape[-1])
     with torch.autocast(x.device.type, enabled=False):
         if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, *weights)):
-            if torch.compiler.is_compiling():  # the custom op: one graph, fake kernels
-                y, _, _ = torch.ops.fewbit.gated_mlp(rows, *weights, activation)
-            else:  # eager: the same kernels without torch.library's dispatch
-                y = _ExactGatedMLP.apply(rows, *weights, activation)
-        else:  # nothing to save: the same kernels without the custom op's dispatch
+            y = run(x, rows, weights)
+        else:
             y = gated_mlp_reference(rows, *weights, activation)
     return y.reshape(*leading, y.shape[-1])

@@ -28,11 +28,17 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import FewBitError
-from .._eager import eager_twin, fake_eager, tracing
+from .._eager import eager_twin, traced_body, tracing
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_codes, saved_nbytes
-from .compressed import coded_entry
-from .ops import SECOND_ORDER_MESSAGE, _backward_exact, _gated_forward, _wanted_grads, fake_parameter_grads
+from .ops import (
+    SECOND_ORDER_MESSAGE,
+    _backward_exact,
+    _gated_forward,
+    _wanted_grads,
+    fake_parameter_grads,
+    mode_entry,
+)
 
 __all__ = ["gated_mlp_recompute", "saved_nbytes_per_token"]
 
@@ -130,7 +136,7 @@ def _backward(ctx, grad):
     saved = ctx.saved_tensors
     needs = ctx.needs_input_grad
     arguments = (grad.contiguous(), *saved, *ctx.options)
-    if tracing(grad, saved[0]) and not fake_eager(grad, saved[0]):  # fake eager: the body's temporaries, seen
+    if traced_body(grad, saved[0]):
         grads = torch.ops.fewbit.gated_mlp_recompute_backward(*arguments, bool(needs[0]))
     else:
         has_b_gate, has_b_up, has_b_down = ctx.biases
@@ -175,10 +181,10 @@ def gated_mlp_recompute(
         rounding: ``"stochastic"`` (unbiased) or ``"nearest"``.
     """
 
-    def run(x, rows, weights, stochastic):
-        x_packed, x_scales = input_codes(x, bits, group_size, stochastic)  # shared with a norm, linears
+    def run(x, rows, weights):
+        x_packed, x_scales = input_codes(x, bits, group_size, rounding == "stochastic")  # shared with a norm, linears
         operator = torch.ops.fewbit.gated_mlp_recompute if tracing(rows, weights[0]) else _GatedRecomputeEager.apply
         return operator(rows, *weights, activation, bits, group_size, x_packed, x_scales)
 
     bits, group_size, rounding = check_options(bits, group_size, rounding)
-    return coded_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, rounding, run)
+    return mode_entry(x, (w_gate, b_gate, w_up, b_up, w_down, b_down), activation, run)

@@ -49,7 +49,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import FewBitError, check_choice
-from .._eager import eager_twin, fake_eager, tracing
+from .._eager import eager_twin, traced_body, tracing
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_codes, quantize_groups
 
 __all__ = ["KINDS", "DEFAULT_THRESHOLD", "memory_sharing_norm", "forward_reference", "kept_channels"]
@@ -467,7 +467,7 @@ def _backward_compressed(ctx, grad, *_):
     features = ctx.y_shape[-1] if len(ctx.y_shape) else 1
     decoded = dequantize_codes(packed, scales, features, bits, group_size, ctx.y_dtype).reshape(ctx.y_shape)
     needs = ctx.needs_input_grad
-    if tracing(grad, packed) and not fake_eager(grad, packed):  # fake eager: the eager body's temporaries, seen
+    if traced_body(grad, packed):
         grad_x, grad_weight, grad_bias = torch.ops.fewbit.norm_backward(
             grad, decoded, rstd, channels, kept, weight, bias, ctx.kind, ctx.x_dtype
         )

@@ -256,6 +256,14 @@ def test_compiled_aot_eager_matches_eager_and_saves_the_codes(fused):
     tokens, hidden, width, bits = 8, 64, 64, 4
     torch.manual_seed(0)
     module = compressed(NativeGated(hidden, width, "silu", fused=fused, bias=True), bits)
+    assert compiled_saved_bytes(module, tokens, hidden) == saved_nbytes_per_token(
+        hidden, width, bits=bits, tokens=tokens
+    )
+
+
+def compiled_saved_bytes(module, tokens, hidden):
+    """Under aot_eager the module's output equals eager's bitwise and its gradients to float32 rounding (same seed,
+    same codes); returns the bytes the compiled module saves."""
     compiled = torch.compile(module, backend="aot_eager", fullgraph=True)
     x, g = torch.randn(tokens, hidden), torch.randn(tokens, hidden)
     torch.manual_seed(1)
@@ -265,7 +273,7 @@ def test_compiled_aot_eager_matches_eager_and_saves_the_codes(fused):
     torch.testing.assert_close(y_compiled, y_eager, rtol=0, atol=0)
     for mine, theirs in zip(g_compiled, g_eager, strict=True):  # same seed, same codes: the same gradients
         torch.testing.assert_close(mine, theirs, rtol=1e-5, atol=1e-6)
-    assert saved(compiled, x.requires_grad_()) == saved_nbytes_per_token(hidden, width, bits=bits, tokens=tokens)
+    return saved(compiled, x.requires_grad_())
 
 
 # ----------------------------------------------------------------------------------------------------------------------
