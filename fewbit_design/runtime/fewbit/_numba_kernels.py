@@ -119,6 +119,33 @@ def _search_code(value, boundaries, interval_codes):
     return _u64(interval_codes[low])
 
 
+@numba.njit(cache=True, nogil=True)
+def _resolve_chunk(buffer, positions, count, x_halves, x, chunk, direct, lut, boundaries, interval_codes):
+    """Writes to ``buffer`` the codes of the chunk's elements ``positions[:count]`` (None: all ``count``) of float32
+    x from ``chunk`` on (``x_halves``: its uint16 halves), read from the direct table: ``SPLIT``, a bucket that holds
+    a boundary, resolved by its ``lut`` entry; ``SPLIT_MULTI``, several, resolved by a binary search. Returns how
+    many of them are non-finite (the exponent bits of the high half, all set). One call per chunk: sharing the
+    element step as a function (numba ``inline="always"`` or a call) made quantize_pack_lut32 11x slower."""
+    base = chunk * _2
+    nonfinite = _u64(0)
+    for j in range(count):
+        if positions is None:  # numba compiles one kernel for None, one for an array: no branch per element
+            i = _u64(j)
+        else:
+            i = _u64(positions[j])
+        bucket = _u64(x_halves[base + _2 * i + _1])
+        nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
+        code = _u64(direct[bucket])
+        if code == _SPLIT:
+            entry = _u64(lut[bucket])
+            low = _u64(x_halves[base + _2 * i])
+            code = ((entry >> _8) & _FF) if low >= (entry >> _16) else (entry & _FF)
+        elif code == _SPLIT_MULTI:
+            code = _search_code(x[chunk + i], boundaries, interval_codes)
+        buffer[i] = _u8(code)
+    return nonfinite
+
+
 def _make_quantize_pack_lut32(bits: int):
     BITS = np.uint64(bits)  # a closure constant: numba compiles (and caches) one kernel per bit width
 
@@ -129,18 +156,9 @@ def _make_quantize_pack_lut32(bits: int):
         nonfinite = _u64(0)
         for chunk in range(_u64(start), _u64(stop), _CHUNK):
             count = min(_CHUNK, _u64(stop) - chunk)
-            base = chunk * _2
-            for i in range(count):
-                bucket = _u64(x_halves[base + _2 * i + _1])
-                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
-                code = _u64(direct[bucket])
-                if code == _SPLIT:
-                    entry = _u64(lut[bucket])
-                    low = _u64(x_halves[base + _2 * i])
-                    code = ((entry >> _8) & _FF) if low >= (entry >> _16) else (entry & _FF)
-                elif code == _SPLIT_MULTI:
-                    code = _search_code(x[chunk + i], boundaries, interval_codes)
-                buffer[i] = _u8(code)
+            nonfinite += _resolve_chunk(
+                buffer, None, count, x_halves, x, chunk, direct, lut, boundaries, interval_codes
+            )
             _pack_buffer(buffer, count, BITS, out, chunk // _8)
         return nonfinite
 
@@ -182,18 +200,9 @@ def _make_quantize_pack_lut32_fixup(bits: int):
                 buffer[i] = code
                 positions[listed] = i
                 listed += code == _RESOLVE
-            for j in range(listed):
-                i = _u64(positions[j])
-                bucket = _u64(x_halves[base + _2 * i + _1])
-                nonfinite += _u64((bucket & _EXPONENT32) == _EXPONENT32)
-                code = _u64(direct[bucket])
-                if code == _SPLIT:
-                    entry = _u64(lut[bucket])
-                    low = _u64(x_halves[base + _2 * i])
-                    code = ((entry >> _8) & _FF) if low >= (entry >> _16) else (entry & _FF)
-                elif code == _SPLIT_MULTI:
-                    code = _search_code(x[chunk + i], boundaries, interval_codes)
-                buffer[i] = _u8(code)
+            nonfinite += _resolve_chunk(
+                buffer, positions, listed, x_halves, x, chunk, direct, lut, boundaries, interval_codes
+            )
             _pack_buffer(buffer, count, BITS, out, chunk // _8)
         return nonfinite
 
