@@ -13,7 +13,8 @@ __all__ = ["lazy_getattr", "public_dir"]
 
 
 def lazy_getattr(package: str, attributes: Mapping[str, tuple[str, str | None]]) -> Callable[[str], Any]:
-    """A module ``__getattr__`` for ``package``: ``name -> (absolute module, attribute or None for the module)``.
+    """A module ``__getattr__`` for ``package``: ``name -> (module, attribute or None for the module)``, the module
+    absolute or relative to ``package`` (``".nn"``).
 
     The value is imported on first access and stored in the package, so later accesses cost nothing.
     """
@@ -23,7 +24,7 @@ def lazy_getattr(package: str, attributes: Mapping[str, tuple[str, str | None]])
             module, attribute = attributes[name]
         except KeyError:
             raise AttributeError(f"module {package!r} has no attribute {name!r}") from None
-        value = importlib.import_module(module)
+        value = importlib.import_module(module, package)
         if attribute is not None:
             value = getattr(value, attribute)
         setattr(sys.modules[package], name, value)

@@ -28,6 +28,6 @@ __all__ = ["design", "activations", "weights", "integrals", "dp", "refine", "eng
 
 __getattr__ = _lazy_getattr(
     __name__,
-    {"design": (f"{__name__}.engine", "design"), **{name: (f"{__name__}.{name}", None) for name in __all__[1:]}},
+    {"design": (".engine", "design"), **{name: (f".{name}", None) for name in __all__[1:]}},
 )
 __dir__ = _public_dir(__all__)

@@ -52,31 +52,29 @@ except ModuleNotFoundError as _error:
         name="torch",
     ) from _error
 
-# public name -> (module under this package, attribute of it or None for the module itself); see fewbit_design._lazy
+# public name -> (module relative to this package, attribute or None for the module itself); see fewbit_design._lazy
 _LAZY = {
     **{
-        name: (name, None)
+        name: (f".{name}", None)
         for name in ("fewbit", "nn", "functional", "tables", "memory")
         + ("blpa", "reversible", "checkpoint", "offload", "planner", "registry", "norms", "linear", "gated", "head")
         + ("hf", "conversion", "attention", "probe", "modules", "dropout", "report")
     },
-    "FewBit": ("fewbit.nn", "FewBit"),
-    "MemorySharingNorm": ("norms.nn", "MemorySharingNorm"),
-    "CompressedLinear": ("linear.nn", "CompressedLinear"),
-    "GatedMLP": ("gated.nn", "GatedMLP"),
-    "lm_loss": ("head.ops", "lm_loss"),
-    "load_table": ("fewbit.lookup", "load_table"),
-    "convert": ("conversion", "convert"),
-    "unconvert": ("conversion", "unconvert"),
-    "ConvertReport": ("conversion", "ConvertReport"),
-    "Report": ("report", "Report"),
-    "calibrate": ("fewbit.calibrate", "calibrate"),
-    "plan_memory": ("planner", "plan_memory"),
-    "load_plan": ("planner", "load_plan"),
+    "FewBit": (".fewbit.nn", "FewBit"),
+    "MemorySharingNorm": (".norms.nn", "MemorySharingNorm"),
+    "CompressedLinear": (".linear.nn", "CompressedLinear"),
+    "GatedMLP": (".gated.nn", "GatedMLP"),
+    "lm_loss": (".head.ops", "lm_loss"),
+    "load_table": (".fewbit.lookup", "load_table"),
+    "convert": (".conversion", "convert"),
+    "unconvert": (".conversion", "unconvert"),
+    "ConvertReport": (".conversion", "ConvertReport"),
+    "Report": (".report", "Report"),
+    "calibrate": (".fewbit.calibrate", "calibrate"),
+    "plan_memory": (".planner", "plan_memory"),
+    "load_plan": (".planner", "load_plan"),
 }
 
 __all__ = list(_LAZY)
-__getattr__ = _lazy_getattr(
-    __name__, {name: (f"{__name__}.{module}", value) for name, (module, value) in _LAZY.items()}
-)
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 __dir__ = _public_dir(__all__)

@@ -23,15 +23,13 @@ from ..._lazy import lazy_getattr as _lazy_getattr
 from ..._lazy import public_dir as _public_dir
 
 _LAZY = {
-    "FewBitCallback": ("trainer", "FewBitCallback"),
-    "record": ("config_record", "record"),
-    "restore": ("config_record", "restore"),
-    "read_record": ("config_record", "read_record"),
-    "FORMAT": ("config_record", "FORMAT"),
+    "FewBitCallback": (".trainer", "FewBitCallback"),
+    "record": (".config_record", "record"),
+    "restore": (".config_record", "restore"),
+    "read_record": (".config_record", "read_record"),
+    "FORMAT": (".config_record", "FORMAT"),
 }
 
 __all__ = list(_LAZY)
-__getattr__ = _lazy_getattr(
-    __name__, {name: (f"{__name__}.{module}", value) for name, (module, value) in _LAZY.items()}
-)
+__getattr__ = _lazy_getattr(__name__, _LAZY)
 __dir__ = _public_dir(__all__)
