@@ -55,6 +55,7 @@ import shutil
 import tempfile
 import threading
 import weakref
+from collections.abc import Callable
 
 import torch
 
@@ -288,12 +289,7 @@ class DiskTarget:
                     raise
             return raw
 
-        job = Job(write)
-        if sync:
-            job.run()
-        else:
-            self._worker.submit(job)
-        return offset, job
+        return offset, self._start(write, sync=sync)
 
     def write_now(self, address: int, nbytes: int) -> tuple[int | None, Exception | None]:
         """Write the ``nbytes`` of host memory at ``address`` (a tensor's storage span, or a whole storage) here and
@@ -389,7 +385,11 @@ class DiskTarget:
                 _pread_all(fd, view, offset)
             return buffer
 
-        job = Job(read)
+        return self._start(read, sync=sync)
+
+    def _start(self, function: Callable[[], torch.Tensor], *, sync: bool) -> Job:
+        """A job of ``function``: run here and now (``sync``), or queued on the file's worker thread."""
+        job = Job(function)
         if sync:
             job.run()
         else:
