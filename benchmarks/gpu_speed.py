@@ -46,6 +46,7 @@ sys.path.insert(0, str(HERE))
 import harness  # noqa: E402
 from runtime_speed import get_table, modules  # noqa: E402
 
+from fewbit_design.runtime.fewbit import backends  # noqa: E402
 from fewbit_design.runtime.fewbit import ops as op  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -90,10 +91,10 @@ def measure(native, fewbit, table, n: int, dtype, device, repeats: int, timer) -
     x = torch.randn(n, generator=generator, device=device).to(dtype).requires_grad_()
     grad = torch.randn(n, generator=generator, device=device).to(dtype)
     graphs = {"native": native(x), "fewbit": fewbit(x)}
-    tensors = op.table_tensors(table, device)
+    tensors = backends.table_tensors(table, device)
     boundaries, levels = tensors.for_input(dtype)
     bits = tensors.bits
-    packed = op.quantize(x.detach(), boundaries, tensors.interval_codes, bits)
+    packed = backends.quantize(x.detach(), boundaries, tensors.interval_codes, bits)
     runs: dict[str, dict[str, Callable[[], object]]] = {kind: {} for kind in KINDS}
     for key, module in (("native", native), ("fewbit", fewbit)):
         runs["forward"][key] = lambda module=module: module(x)
@@ -104,8 +105,8 @@ def measure(native, fewbit, table, n: int, dtype, device, repeats: int, timer) -
         for kind, pair in runs.items()
     }
     parts = {
-        "quantize": lambda: op.quantize(x.detach(), boundaries, tensors.interval_codes, bits),
-        "scale": lambda: op.scale(grad, packed, levels, bits),
+        "quantize": lambda: backends.quantize(x.detach(), boundaries, tensors.interval_codes, bits),
+        "scale": lambda: backends.scale(grad, packed, levels, bits),
         "nonfinite": lambda: op.nonfinite_record(x),
     }
     timings["parts"] = harness.measure(parts, repeats=repeats, timer=timer)
@@ -183,14 +184,14 @@ def main(argv: list[str] | None = None) -> int:
     sizes = [2 ** int(s) for s in args.sizes.split(",")]
     name = torch.cuda.get_device_name() if device.type == "cuda" else "cpu"
     print(
-        f"gpu_speed: {name}, torch {torch.__version__}, backend {backend or op.backend_for(device)}, "
+        f"gpu_speed: {name}, torch {torch.__version__}, backend {backend or backends.backend_for(device)}, "
         f"median of {args.repeats} interleaved calls"
     )
     # CUDA events around each call, the L2 cache flushed before it; on CPU (the dry run) the wall clock
     timer = harness.CudaEvents(device, FLUSH_BYTES) if device.type == "cuda" else None
     rows: list[dict] = []
     start = time.perf_counter()
-    with harness.CsvWriter(args.out, COLUMNS, float_format=".6g") as writer, op.use_backend(backend):
+    with harness.CsvWriter(args.out, COLUMNS, float_format=".6g") as writer, backends.use_backend(backend):
         for activation, bits, dtype_name, n in configurations(names, bit_widths, dtypes, sizes):
             if time.perf_counter() - start > args.budget_seconds:
                 print(f"gpu_speed: time budget of {args.budget_seconds:.0f} s spent; stopping before {activation} "

@@ -32,6 +32,7 @@ import torch
 from fewbit_design import runtime
 from fewbit_design.runtime import nn, functional, convert, tables, memory
 from fewbit_design.runtime import _packing as packing
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as fewbit
 from fewbit_design.table import Table
 table = Table(activation='gelu', params={'approximate': 'none'}, bits=2, mode='levelsets', symmetric=False,
@@ -40,7 +41,7 @@ table = Table(activation='gelu', params={'approximate': 'none'}, bits=2, mode='l
 model = torch.nn.Sequential(torch.nn.Linear(4, 4), nn.GELU(table=table))
 runtime.convert(model, filter={torch.nn.SiLU: table})
 after_modules = [m for m in heavy if m in sys.modules]
-with fewbit.use_backend('reference'):
+with backends.use_backend('reference'):
     x = torch.randn(3, 4, requires_grad=True)
     model(x).sum().backward()
     functional.gelu(x, table=table).sum().backward()

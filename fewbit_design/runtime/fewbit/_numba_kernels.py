@@ -18,7 +18,7 @@ packs the buffer 8 codes (one uint64 load) at a time with three SWAR steps. Phas
   :func:`~.backends.build_lut32` from the exact float32 comparisons; the rare buckets that hold
   several code changes are resolved by a binary search over the boundaries. About 6 instructions per element, branch
   almost always predicted.
-  Tables with many boundaries (more than ``ops.BRANCHLESS_SPLITS`` split buckets: 5-8 bits) use
+  Tables with many boundaries (more than ``backends.BRANCHLESS_SPLITS`` split buckets: 5-8 bits) use
   :func:`quantize_pack_lut32_branchless` instead, which resolves every element through the second table without a
   branch (the branch would be mispredicted on a large share of the elements).
   Tables with few boundaries at 1-7 bits use :func:`quantize_pack_lut32_fixup`: a uint8 table gives every element
@@ -95,7 +95,7 @@ SPLIT = 0x100  # marks a bucket of the direct float32 table that holds a boundar
 _SPLIT = np.uint64(SPLIT)
 SPLIT_MULTI = 0x200  # ... that holds several (resolved by a binary search)
 _SPLIT_MULTI = np.uint64(SPLIT_MULTI)
-MULTI = 0xFF00  # the lut entry of such a bucket (ops.MULTI)
+MULTI = 0xFF00  # the lut entry of such a bucket (backends.MULTI)
 _MULTI = np.uint64(MULTI)
 _u32 = numba.uint32
 _i16 = numba.int16

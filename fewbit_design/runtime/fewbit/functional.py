@@ -20,8 +20,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .backends import table_tensors
 from .lookup import TableLike, document_arguments, resolve_table
-from .ops import fewbit_activation, table_tensors
+from .ops import fewbit_activation
 
 __all__ = [
     "relu",

@@ -33,10 +33,10 @@ from ...design import activations
 from ...errors import FewBitError
 from ...table import Table
 from .._torchscript import NotScriptable
-from .backends import fused_relu
+from .backends import decode_table, encode_table, fused_relu
 from .functional import quick_gelu_native, relu_squared_native
 from .lookup import TableLike, as_table, document_arguments, resolve_table
-from .ops import decode_table, encode_table, fewbit_activation
+from .ops import fewbit_activation
 
 __all__ = [
     "FewBitModule",

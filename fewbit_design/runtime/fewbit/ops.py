@@ -17,13 +17,14 @@ Contract (DESIGN.md "Runtime contract"):
 
 Layers: ``quantize_reference`` / ``scale_reference`` (pure torch, any device: the oracle), numba CPU kernels
 (:mod:`._numba_kernels`), Triton kernels (:mod:`._triton_kernels`); the launchers ``quantize`` / ``scale`` pick one
-by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`use_backend` force one): these
-live in :mod:`.backends` and are re-exported here. This module holds the custom ops ``torch.ops.fewbit.quantize`` /
-``torch.ops.fewbit.scale`` (with fake kernels, for ``torch.compile``) and :func:`fewbit_activation`, the autograd
-entry point used by :mod:`fewbit_design.runtime.nn`.
+by device (CUDA -> Triton, CPU -> numba, else reference; ``FEWBIT_BACKEND`` or :func:`~.backends.use_backend`
+force one): these live in :mod:`.backends` (reaching them through this module is deprecated). This module holds the
+custom ops ``torch.ops.fewbit.quantize`` / ``torch.ops.fewbit.scale`` (with fake kernels, for ``torch.compile``) and
+:func:`fewbit_activation`, the autograd entry point used by :mod:`fewbit_design.runtime.nn`.
 
 >>> import torch, torch.nn.functional as F
 >>> from fewbit_design.table import Table
+>>> from fewbit_design.runtime.fewbit.backends import table_tensors
 >>> table = Table(activation="relu", params={}, bits=1, mode="levelsets", symmetric=False,
 ...               weight={"kind": "uniform", "low": -10.0, "high": 10.0},
 ...               boundaries=[0.0], codes=[0, 1], levels=[0.0, 1.0], error=0.0, snr_db=None)
@@ -37,66 +38,39 @@ entry point used by :mod:`fewbit_design.runtime.nn`.
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 
 import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from ...errors import FewBitError
+from . import backends
 from .backends import (
-    BACKEND_ENV,
-    BACKENDS,
-    MULTI,
     SUPPORTED_DTYPES,
     TableTensors,
     backend_for,
-    boundaries_float32,
-    build_lut16,
-    build_lut32,
-    decode_table,
-    direct_lut32,
-    encode_table,
     forward_numba,
     forward_triton,
     quantize,
-    quantize_numba,
-    quantize_reference,
-    quantize_triton,
     scale,
-    scale_numba,
     scale_reference,
-    scale_triton,
-    table_tensors,
-    use_backend,
 )
 
-__all__ = [
-    "BACKENDS",
-    "BACKEND_ENV",
-    "TableTensors",
-    "table_tensors",
-    "encode_table",
-    "decode_table",
-    "boundaries_float32",
-    "build_lut32",
-    "direct_lut32",
-    "MULTI",
-    "build_lut16",
-    "quantize_reference",
-    "scale_reference",
-    "quantize_numba",
-    "forward_numba",
-    "scale_numba",
-    "quantize_triton",
-    "forward_triton",
-    "scale_triton",
-    "quantize",
-    "scale",
-    "use_backend",
-    "backend_for",
-    "fewbit_activation",
-    "nonfinite_record",
-]
+__all__ = ["fewbit_activation", "nonfinite_record"]
+
+
+def __getattr__(name: str):
+    """The launchers and table tensors of :mod:`.backends`, reached here before they moved (deprecated)."""
+    if name in backends.__all__:
+        warnings.warn(
+            f"fewbit_design.runtime.fewbit.ops.{name} is deprecated: import it from "
+            f"fewbit_design.runtime.fewbit.backends",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(backends, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ----------------------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from fewbit_design.runtime import functional as FF
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime._packing import packed_nbytes
-from fewbit_design.runtime.fewbit import ops as op
+from fewbit_design.runtime.fewbit import backends
 
 matching_module = importlib.import_module("fewbit_design.runtime.fewbit.matching")
 
@@ -377,7 +377,7 @@ def test_half_precision_backward_peaks_near_torchs(dtype, make_table):
     x = (torch.randn(numel, generator=generator) * 3).to(dtype)
     grad = torch.randn(numel, generator=generator).to(dtype)
     table = make_table("gelu", 3)
-    with op.use_backend("numba"):
+    with backends.use_backend("numba"):
         backward_peak(fnn.GELU(table=table), x[:4096], grad[:4096])  # first call: numba compiles (numpy buffers)
         fewbit = backward_peak(fnn.GELU(table=table), x, grad)
     native = backward_peak(torch.nn.GELU(), x, grad)

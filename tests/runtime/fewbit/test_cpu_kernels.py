@@ -56,28 +56,28 @@ def same_bits(a, b):
 def test_blocked_forward_is_bitwise_native_and_codes_are_the_reference(one_thread, name, numel, dtype):
     native = NATIVES[name]
     table = random_table(bits=3, seed=numel)
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     x = sample(numel, dtype, seed=numel)
     boundaries, _ = tensors.for_input(dtype)
     y, packed, record = backends.forward_numba(x, native, boundaries, tensors.interval_codes, 3)
     assert same_bits(y, native(x))
-    assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+    assert torch.equal(packed, backends.quantize_reference(x, boundaries, tensors.interval_codes, 3))
     assert record is None
 
 
 @pytest.mark.parametrize("bits", [1, 5, 8])
 def test_blocked_forward_at_other_bit_widths_and_shapes(one_thread, bits):
     table = random_table(bits=bits, boundaries=40, seed=bits)
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     x = sample(3 * BLOCK + 5, torch.float32, seed=bits).reshape(-1, 1)
     y, packed, _ = backends.forward_numba(x, F.gelu, tensors.boundaries32, tensors.interval_codes, bits)
     assert same_bits(y, F.gelu(x))
-    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+    assert torch.equal(packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_blocked_forward_records_non_finite_elements_of_every_block(one_thread, dtype):
-    tensors = op.table_tensors(random_table(bits=3, seed=1))
+    tensors = backends.table_tensors(random_table(bits=3, seed=1))
     x = sample(5 * BLOCK + 3, dtype, seed=2)
     positions = torch.tensor([0, 5, BLOCK + 1, 3 * BLOCK, 5 * BLOCK + 2])
     x[positions] = torch.tensor([float("nan"), float("inf"), -float("inf"), float("nan"), float("inf")]).to(dtype)
@@ -89,7 +89,7 @@ def test_blocked_forward_records_non_finite_elements_of_every_block(one_thread, 
 
 
 def test_blocked_forward_takes_the_record_before_an_in_place_fn_sees_the_block(one_thread):
-    tensors = op.table_tensors(random_table(bits=3, seed=1))
+    tensors = backends.table_tensors(random_table(bits=3, seed=1))
     x = sample(3 * BLOCK, torch.float32)
     x[2 * BLOCK + 1] = float("inf")
     y, _, record = backends.forward_numba(x.clone(), torch.relu_, tensors.boundaries32, tensors.interval_codes, 3)
@@ -113,15 +113,15 @@ def test_forward_reads_x_once_in_blocks_without_a_separate_non_finite_pass(one_t
 
     table = random_table(bits=3, seed=3)
     x = sample(4 * BLOCK + 100, torch.float32).requires_grad_()
-    with op.use_backend("numba"):
-        y = op.fewbit_activation(x, gelu, op.table_tensors(table))
+    with backends.use_backend("numba"):
+        y = op.fewbit_activation(x, gelu, backends.table_tensors(table))
     assert seen == [BLOCK] * 4 + [100]
     assert same_bits(y.detach(), F.gelu(x.detach()))
 
 
 def test_forward_with_several_threads_is_bitwise_native():
     # with several torch threads torch cuts native(x) at op-specific places: the forward runs it on all of x
-    tensors = op.table_tensors(random_table(bits=3, seed=4))
+    tensors = backends.table_tensors(random_table(bits=3, seed=4))
     x = sample(3 * (1 << 15) + 13, torch.float32, seed=4)
     previous = torch.get_num_threads()
     torch.set_num_threads(2)
@@ -131,7 +131,7 @@ def test_forward_with_several_threads_is_bitwise_native():
             assert same_bits(y, native(x))
     finally:
         torch.set_num_threads(previous)
-    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3))
+    assert torch.equal(packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -160,13 +160,13 @@ def test_float32_to_16_bit_rounding_is_torchs_on_all_patterns(dtype):
 def test_16_bit_backward_on_every_gradient_pattern_is_the_reference(dtype):
     # every 16-bit gradient pattern (NaN, inf, subnormals) times every level of a table holding 0, 1, subnormal-making
     # and overflowing levels, at every position of a group
-    tensors = op.table_tensors(random_table(bits=3, seed=5))
+    tensors = backends.table_tensors(random_table(bits=3, seed=5))
     levels = torch.tensor([0.0, 1.0, -1.0, 3.1e-5, 0.7, 1e4, -2.5, 6.1e-3])
     grad = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype).repeat(3)[: 3 * 65536 - 5]
     x = sample(grad.numel(), torch.float32, seed=6)
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
-    result = op.scale_numba(grad, packed, levels, 3)
-    expected = op.scale_reference(grad, packed, levels, 3)
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    result = backends.scale_numba(grad, packed, levels, 3)
+    expected = backends.scale_reference(grad, packed, levels, 3)
     # bitwise, except the payload of a float16 NaN: torch's own float32 product gives a NaN grad's payload in its
     # vector loop and 0x7FFFFFFF in its tail, so the reference itself has no single payload (bfloat16 NaN is 0xFFFF)
     nan = torch.isnan(expected)
@@ -181,12 +181,12 @@ def test_16_bit_backward_on_every_gradient_pattern_is_the_reference(dtype):
 @pytest.mark.parametrize("bits", [1, 3, 8])
 def test_16_bit_backward_matches_the_reference_at_every_size(dtype, numel, bits):
     table = random_table(bits=bits, boundaries=20, seed=bits)
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     x = sample(numel, torch.float32, seed=numel)
     grad = sample(numel, dtype, seed=numel + 1)
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits)
-    result = op.scale_numba(grad, packed, tensors.levels32, bits)
-    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, bits))
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits)
+    result = backends.scale_numba(grad, packed, tensors.levels32, bits)
+    assert same_bits(result, backends.scale_reference(grad, packed, tensors.levels32, bits))
 
 
 def test_16_bit_backward_makes_no_float32_copy_of_the_gradient(monkeypatch):
@@ -200,11 +200,11 @@ def test_16_bit_backward_makes_no_float32_copy_of_the_gradient(monkeypatch):
         made.append((tensor.dtype, tensor.numel()))
         return tensor
 
-    tensors = op.table_tensors(random_table(bits=3, seed=7))
+    tensors = backends.table_tensors(random_table(bits=3, seed=7))
     grad = sample(5000, torch.bfloat16)
-    packed = op.quantize_reference(sample(5000, torch.float32), tensors.boundaries32, tensors.interval_codes, 3)
+    packed = backends.quantize_reference(sample(5000, torch.float32), tensors.boundaries32, tensors.interval_codes, 3)
     monkeypatch.setattr(torch, "empty", recording_empty)
-    op.scale_numba(grad, packed, tensors.levels32, 3)
+    backends.scale_numba(grad, packed, tensors.levels32, 3)
     assert [numel for dtype, numel in made if dtype == torch.float32] == []
 
 
@@ -222,19 +222,19 @@ def test_eager_call_skips_torchs_argument_binding(monkeypatch):
     x = sample(1000, torch.float32).requires_grad_()
     grad = sample(1000, torch.float32, seed=9)
     monkeypatch.setattr(torch.autograd.Function, "apply", classmethod(binding_apply))
-    y = op.fewbit_activation(x, F.gelu, op.table_tensors(table))
+    y = op.fewbit_activation(x, F.gelu, backends.table_tensors(table))
     (result,) = torch.autograd.grad(y, x, grad)
     assert same_bits(y.detach(), F.gelu(x.detach()))
-    tensors = op.table_tensors(table)
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
-    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
+    tensors = backends.table_tensors(table)
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    assert same_bits(result, backends.scale_reference(grad, packed, tensors.levels32, 3))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_repeated_calls_prepare_the_table_once(monkeypatch, dtype):
     # the fixed cost of a call: every call converted the table to numpy and hashed its bytes to find its
     # LUT (8 us, half a native GELU of 2^14 elements); now a call with a table seen before reuses a cached plan
-    tensors = op.table_tensors(random_table(bits=3, seed=11))
+    tensors = backends.table_tensors(random_table(bits=3, seed=11))
     boundaries, _ = tensors.for_input(dtype)
     conversions = []
     real_numpy = torch.Tensor.numpy
@@ -250,20 +250,22 @@ def test_repeated_calls_prepare_the_table_once(monkeypatch, dtype):
     for seed in range(3):
         x = sample(100, dtype, seed=seed)
         codes = backends.quantize_numba(x, boundaries, tensors.interval_codes, 3)
-        assert torch.equal(codes, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+        assert torch.equal(codes, backends.quantize_reference(x, boundaries, tensors.interval_codes, 3))
     assert len(conversions) <= 2  # the first call only (LUT key, and the plan's copy)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 def test_cached_plan_follows_an_in_place_change_of_the_table(dtype):
-    tensors = op.table_tensors(random_table(bits=3, seed=12))
+    tensors = backends.table_tensors(random_table(bits=3, seed=12))
     boundaries, _ = tensors.for_input(dtype)
     boundaries, codes = boundaries.clone(), tensors.interval_codes.clone()
     x = sample(1000, dtype, seed=3)
     backends.quantize_numba(x, boundaries, codes, 3)
     codes.copy_(codes.flip(0))
     boundaries.sub_(0.5)
-    assert torch.equal(backends.quantize_numba(x, boundaries, codes, 3), op.quantize_reference(x, boundaries, codes, 3))
+    assert torch.equal(
+        backends.quantize_numba(x, boundaries, codes, 3), backends.quantize_reference(x, boundaries, codes, 3)
+    )
 
 
 def test_module_decodes_its_table_once_and_follows_a_new_table():
@@ -278,9 +280,9 @@ def test_module_decodes_its_table_once_and_follows_a_new_table():
     other = random_table(bits=2, seed=14)
     module.table = other
     (result,) = torch.autograd.grad(module(x), x, grad)
-    tensors = op.table_tensors(other)
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2)
-    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 2))
+    tensors = backends.table_tensors(other)
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2)
+    assert same_bits(result, backends.scale_reference(grad, packed, tensors.levels32, 2))
     copy = __import__("copy").deepcopy(module)
     assert copy._table_tensors(torch.device("cpu")).boundaries32.data_ptr() != first.boundaries32.data_ptr()
 
@@ -302,14 +304,14 @@ def test_relu_forward_computes_y_and_codes_in_one_pass(bits, numel, dtype):
     # relu; a one-boundary table now takes a vectorised kernel that also writes y, bitwise torch's relu
     from fewbit_design.runtime.tables import load_table
 
-    tensors = op.table_tensors(load_table("relu", bits=bits))
+    tensors = backends.table_tensors(load_table("relu", bits=bits))
     boundaries, _ = tensors.for_input(dtype)
     x = sample(numel, dtype, seed=numel)
     x[: min(numel, 4)] = torch.tensor([-0.0, 0.0, 1e-40, -1e-40])[: min(numel, 4)].to(dtype)
     fused = backends.fused_relu(lambda t: never_called(t))
     y, packed, record = backends.forward_numba(x, fused, boundaries, tensors.interval_codes, bits)
     assert same_bits(y, F.relu(x))
-    assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, bits))
+    assert torch.equal(packed, backends.quantize_reference(x, boundaries, tensors.interval_codes, bits))
     assert record is None
     for native in (F.relu, torch.relu):  # recognised as they are
         y, packed, _ = backends.forward_numba(x, native, boundaries, tensors.interval_codes, bits)
@@ -323,9 +325,11 @@ def test_one_boundary_kernels_on_every_16_bit_pattern(dtype, boundary):
     # subnormals), for codes below/above in both orders; relu's y and the non-finite record too
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
     for codes in ((0, 1), (1, 0), (2, 2)):
-        tensors = op.table_tensors(one_boundary_table(boundary, codes, bits=2))
+        tensors = backends.table_tensors(one_boundary_table(boundary, codes, bits=2))
         packed = backends.quantize_numba(patterns, tensors.boundaries32, tensors.interval_codes, 2)
-        assert torch.equal(packed, op.quantize_reference(patterns, tensors.boundaries32, tensors.interval_codes, 2))
+        assert torch.equal(
+            packed, backends.quantize_reference(patterns, tensors.boundaries32, tensors.interval_codes, 2)
+        )
     y, packed, record = backends.forward_numba(patterns, F.relu, tensors.boundaries32, tensors.interval_codes, 2)
     assert same_bits(y, F.relu(patterns))
     expected = op.nonfinite_record(patterns)
@@ -334,13 +338,13 @@ def test_one_boundary_kernels_on_every_16_bit_pattern(dtype, boundary):
 
 @pytest.mark.parametrize("numel", [1, 7, 65, 4099])
 def test_fused_relu_with_non_finite_float32_input_is_torchs(numel):
-    tensors = op.table_tensors(one_boundary_table(5e-324))
+    tensors = backends.table_tensors(one_boundary_table(5e-324))
     x = sample(numel, torch.float32, seed=numel)
     specials = torch.tensor([0x7FC00001, 0xFFC00000 - 2**32, 0x7F800000, 0xFF800000 - 2**32, 0x80000000 - 2**32])
     x[torch.arange(numel) % 3 == 0] = specials.view(torch.float32).repeat(numel)[: len(range(0, numel, 3))]
     y, packed, record = backends.forward_numba(x, F.relu, tensors.boundaries32, tensors.interval_codes, 1)
     assert same_bits(y, F.relu(x))
-    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 1))
+    assert torch.equal(packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 1))
     expected = op.nonfinite_record(x)
     assert torch.equal(record[0], expected[0]) and same_bits(record[1], expected[1])
 
@@ -348,11 +352,11 @@ def test_fused_relu_with_non_finite_float32_input_is_torchs(numel):
 @pytest.mark.parametrize("boundary", [0.0, -0.0, 2.5, -1e-40, 1e39])
 @pytest.mark.parametrize("numel", SIZES)
 def test_one_boundary_float32_codes_are_the_reference(boundary, numel):
-    tensors = op.table_tensors(one_boundary_table(boundary, (3, 1), bits=2))
+    tensors = backends.table_tensors(one_boundary_table(boundary, (3, 1), bits=2))
     x = sample(numel, torch.float32, seed=numel)
     x[: min(numel, 3)] = torch.tensor([float("nan"), -0.0, float("inf")])[: min(numel, 3)]
     packed = backends.quantize_numba(x, tensors.boundaries32, tensors.interval_codes, 2)
-    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2))
+    assert torch.equal(packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 2))
 
 
 def test_relu_module_gradient_with_the_fused_forward_is_the_reference():
@@ -365,8 +369,8 @@ def test_relu_module_gradient_with_the_fused_forward_is_the_reference():
     assert same_bits(y.detach(), F.relu(x.detach()))
     (result,) = torch.autograd.grad(y, x, grad)
     tensors = module._table_tensors(torch.device("cpu"))
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
-    assert same_bits(result, op.scale_reference(grad, packed, tensors.levels32, 3))
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    assert same_bits(result, backends.scale_reference(grad, packed, tensors.levels32, 3))
 
 
 @pytest.mark.parametrize(
@@ -377,14 +381,14 @@ def test_float32_codes_on_every_bucket_are_the_reference(bits, boundaries, kerne
     # (boundaries, NaN, +-inf) in a second pass; quantize_pack_steps32 (at most STEPS_BOUNDARIES boundaries) adds a
     # step per boundary <= x: every high half with low halves 0, 1, 0x8000 and 0xFFFF
     table = random_table(bits=bits, boundaries=boundaries, seed=bits)
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     high = torch.arange(65536, dtype=torch.int64) << 16
     patterns = torch.stack([high, high | 1, high | 0x8000, high | 0xFFFF], dim=1).reshape(-1)
     x = patterns.to(torch.int32).view(torch.float32)  # int64 -> int32 wraps: the same bit patterns
     used, _ = backends._codes_kernel(x, tensors.boundaries32, tensors.interval_codes, bits, None)
     assert kernel in used.__name__
     packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
-    assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+    assert torch.equal(packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
     assert nonfinite == int((~torch.isfinite(x)).sum())
 
 
@@ -395,7 +399,7 @@ def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dty
     # the fixed cost of a call: small inputs take _forward_two_passes, which reads x through numpy (a copy
     # only where x is not contiguous) and writes the codes into numpy memory shared with torch
     table = random_table(bits=3, seed=21)
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     boundaries, _ = tensors.for_input(dtype)
     wide = sample(2 * numel, dtype, seed=numel)
     for x in (wide[:numel], wide[::2], wide.reshape(-1, 2)[:, 0] if numel else wide):
@@ -403,7 +407,7 @@ def test_two_pass_forward_is_native_and_codes_are_the_reference(name, numel, dty
         x[:: max(1, numel // 3)] = float("nan") if numel > 3 else x[:: max(1, numel // 3)]
         y, packed, record = backends.forward_numba(x, NATIVES[name], boundaries, tensors.interval_codes, 3)
         assert same_bits(y, NATIVES[name](x))
-        assert torch.equal(packed, op.quantize_reference(x, boundaries, tensors.interval_codes, 3))
+        assert torch.equal(packed, backends.quantize_reference(x, boundaries, tensors.interval_codes, 3))
         expected = op.nonfinite_record(x)
         if expected is None:
             assert record is None
@@ -419,23 +423,23 @@ def test_the_forward_reads_no_environment_variable_per_call(monkeypatch):
     real_getitem = type(os.environ).__getitem__
 
     def getitem(self, key):
-        if key == op.BACKEND_ENV:
+        if key == backends.BACKEND_ENV:
             reads.append(key)
         return real_getitem(self, key)
 
     table = random_table(bits=3, seed=22)
     x = sample(100, torch.float32).requires_grad_()
-    monkeypatch.delenv(op.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(backends.BACKEND_ENV, raising=False)
     monkeypatch.setattr(type(os.environ), "__getitem__", getitem)
-    y = op.fewbit_activation(x, F.gelu, op.table_tensors(table))
+    y = op.fewbit_activation(x, F.gelu, backends.table_tensors(table))
     torch.autograd.grad(y, x, torch.ones_like(y))
-    assert op.backend_for(torch.device("cpu")) == "numba"
+    assert backends.backend_for(torch.device("cpu")) == "numba"
     assert reads == []
-    monkeypatch.setenv(op.BACKEND_ENV, "reference")
-    assert op.backend_for(torch.device("cpu")) == "reference"
+    monkeypatch.setenv(backends.BACKEND_ENV, "reference")
+    assert backends.backend_for(torch.device("cpu")) == "reference"
     # a thread that never entered use_backend sees the environment too (the thread-local's class default)
     seen = []
-    thread = threading.Thread(target=lambda: seen.append(op.backend_for(torch.device("cpu"))))
+    thread = threading.Thread(target=lambda: seen.append(backends.backend_for(torch.device("cpu"))))
     thread.start()
     thread.join()
     assert seen == ["reference"]
@@ -449,12 +453,14 @@ def test_16_bit_steps_kernel_on_every_pattern_is_the_reference(dtype, bits, boun
     # (NaN, +-inf, -0, subnormals) at sizes that end inside a chunk and inside a group of 8
     patterns = torch.arange(65536, dtype=torch.int32).to(torch.int16).view(dtype)
     for seed in range(3):
-        tensors = op.table_tensors(random_table(bits=bits, boundaries=boundaries, seed=seed))
+        tensors = backends.table_tensors(random_table(bits=bits, boundaries=boundaries, seed=seed))
         used, _ = backends._codes_kernel(patterns, tensors.boundaries32, tensors.interval_codes, bits, None)
         assert "steps16" in used.__name__
         for x in (patterns, patterns[:4099], patterns[-7:], patterns[:1]):
             packed, nonfinite = backends._codes_numba(x, tensors.boundaries32, tensors.interval_codes, bits)
-            assert torch.equal(packed, op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits))
+            assert torch.equal(
+                packed, backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, bits)
+            )
             assert nonfinite == int((~torch.isfinite(x)).sum())
 
 
@@ -471,20 +477,22 @@ def test_16_bit_steps_keys_refuse_a_table_they_cannot_reproduce():
 def test_backward_of_strided_and_shaped_gradients_is_the_reference(dtype, numel):
     # the fixed cost of a call: scale_numba reads the gradient through numpy (flattened there, copied only
     # where it is not contiguous): a 1-D strided gradient stays strided through reshape, so it must be copied
-    tensors = op.table_tensors(random_table(bits=3, seed=23))
+    tensors = backends.table_tensors(random_table(bits=3, seed=23))
     _, levels = tensors.for_input(dtype)
     x = sample(numel, torch.float32, seed=1)
-    packed = op.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
+    packed = backends.quantize_reference(x, tensors.boundaries32, tensors.interval_codes, 3)
     wide = sample(2 * numel, dtype, seed=2)
     for grad in (wide[::2], wide[:numel].clone(), wide.reshape(-1, 2)[:, 1] if numel else wide[:0]):
         result = backends.scale_numba(grad, packed, levels, 3)
-        assert same_bits(result, op.scale_reference(grad, packed, levels, 3))
+        assert same_bits(result, backends.scale_reference(grad, packed, levels, 3))
     if numel == 4097:
         grid = sample(2 * 4097, dtype, seed=3).reshape(17, 482)[:, ::2]  # 2-D, non-contiguous
-        packed = op.quantize_reference(
+        packed = backends.quantize_reference(
             sample(grid.numel(), torch.float32), tensors.boundaries32, tensors.interval_codes, 3
         )
-        assert same_bits(backends.scale_numba(grid, packed, levels, 3), op.scale_reference(grid, packed, levels, 3))
+        assert same_bits(
+            backends.scale_numba(grid, packed, levels, 3), backends.scale_reference(grid, packed, levels, 3)
+        )
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -502,4 +510,4 @@ def test_backward_select_tree_picks_every_level(dtype, bits, numel):
         levels = levels[:count].to(torch.float64 if dtype == torch.float64 else torch.float32).contiguous()
         grad = sample(numel, dtype, seed=bits)
         result = backends.scale_numba(grad, packed, levels, bits)
-        assert same_bits(result, op.scale_reference(grad, packed, levels, bits))
+        assert same_bits(result, backends.scale_reference(grad, packed, levels, bits))

@@ -27,6 +27,7 @@ from test_runtime_ops import edge_values
 from fewbit_design.design import activations
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime._packing import packed_nbytes
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 from fewbit_design.runtime.tables import load_table
 
@@ -75,7 +76,7 @@ def laid_out(flat: torch.Tensor, layout: str) -> torch.Tensor:
 
 
 def run(backend, function, *args):
-    with op.use_backend(backend):
+    with backends.use_backend(backend):
         return getattr(op, function)(*args)
 
 
@@ -88,12 +89,12 @@ def test_triton_kernels_are_compiled_not_interpreted():
         "the Triton kernels run in the interpreter (TRITON_INTERPRET=1, which tests/conftest.py sets by default): "
         "run the CUDA tests with TRITON_INTERPRET=0"
     )
-    assert op.backend_for(torch.device("cuda")) == "triton"
+    assert backends.backend_for(torch.device("cuda")) == "triton"
 
 
 def check_against_reference(table, dtype, numel, layout, generator):
     bits = int(table.bits)
-    cuda = op.table_tensors(table, "cuda")
+    cuda = backends.table_tensors(table, "cuda")
     boundaries, levels = cuda.for_input(dtype)
     x = laid_out(mixed(edge_values(table, dtype), numel, dtype, generator, 3.0), layout)
     grad = laid_out(mixed(torch.tensor(GRAD_SPECIALS), numel, dtype, generator, 1.0), layout)
@@ -108,11 +109,11 @@ def check_against_reference(table, dtype, numel, layout, generator):
     assert same_bits(result, run("reference", "scale", grad, expected, levels, bits)), where
 
     if numel <= CPU_CHECK_MAX:  # the reference does not depend on the device
-        cpu = op.table_tensors(table)
+        cpu = backends.table_tensors(table)
         cpu_boundaries, cpu_levels = cpu.for_input(dtype)
-        on_cpu = op.quantize_reference(x.cpu(), cpu_boundaries, cpu.interval_codes, bits)
+        on_cpu = backends.quantize_reference(x.cpu(), cpu_boundaries, cpu.interval_codes, bits)
         assert torch.equal(packed.cpu(), on_cpu), where
-        assert same_bits(result.cpu(), op.scale_reference(grad.cpu(), on_cpu, cpu_levels, bits)), where
+        assert same_bits(result.cpu(), backends.scale_reference(grad.cpu(), on_cpu, cpu_levels, bits)), where
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -151,7 +152,7 @@ def test_more_than_two_to_the_31_elements_use_64_bit_offsets():
     # elements from the start, so its packed groups are the last groups of the whole tensor)
     bits, numel, tail = 3, (1 << 31) + 13, (1 << 20) + 13
     table = load_table("silu", bits=bits)
-    cuda = op.table_tensors(table, "cuda")
+    cuda = backends.table_tensors(table, "cuda")
     generator = torch.Generator("cuda").manual_seed(31)
     x = torch.randn(numel, device="cuda", dtype=torch.bfloat16, generator=generator)
     packed = run("triton", "quantize", x, cuda.boundaries32, cuda.interval_codes, bits)
@@ -180,8 +181,8 @@ def test_autograd_function_on_cuda_is_native_forward_and_reference_backward(spec
     gradients = {}
     for backend in ("triton", "reference"):
         leaf = x.detach().clone().requires_grad_()
-        with op.use_backend(backend):
-            y = op.fewbit_activation(leaf, native, op.table_tensors(table, "cuda"))
+        with backends.use_backend(backend):
+            y = op.fewbit_activation(leaf, native, backends.table_tensors(table, "cuda"))
             assert same_bits(y, native(x)), (name, dtype, backend)
             y.backward(grad)
         gradients[backend] = leaf.grad

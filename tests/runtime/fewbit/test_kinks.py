@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from fewbit_design.design import activations
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 from fewbit_design.table import Table
 
@@ -99,8 +100,8 @@ def exact_table(name):
 
 def fewbit_grad(table, name, x, grad, backend):
     leaf = x.detach().clone().requires_grad_()
-    with op.use_backend(backend):
-        out = op.fewbit_activation(leaf, torch_module(name), op.table_tensors(table))
+    with backends.use_backend(backend):
+        out = op.fewbit_activation(leaf, torch_module(name), backends.table_tensors(table))
         out.backward(grad)
     return leaf.grad
 

@@ -12,17 +12,16 @@ import torch
 
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime.fewbit import backends
-from fewbit_design.runtime.fewbit import ops as op
 
 
 @pytest.mark.parametrize("backend", ["triton", "numba"])
 def test_a_forced_backend_that_is_not_installed_is_one_error(monkeypatch, backend):
     monkeypatch.setattr(backends, "_importable", lambda module: module != backend)
-    monkeypatch.setenv(op.BACKEND_ENV, backend)
+    monkeypatch.setenv(backends.BACKEND_ENV, backend)
     with pytest.raises(FewBitError, match=f"backend '{backend}' .* needs {backend}, which is not installed"):
-        op.quantize(torch.randn(16), torch.zeros(1), torch.tensor([0, 1], dtype=torch.uint8), 1)
-    monkeypatch.setenv(op.BACKEND_ENV, "auto")
-    assert op.backend_for(torch.device("cpu")) in ("numba", "reference")
+        backends.quantize(torch.randn(16), torch.zeros(1), torch.tensor([0, 1], dtype=torch.uint8), 1)
+    monkeypatch.setenv(backends.BACKEND_ENV, "auto")
+    assert backends.backend_for(torch.device("cpu")) in ("numba", "reference")
 
 
 TRITON_ON_CPU = """

@@ -18,6 +18,7 @@ from fewbit_design.design import activations
 from fewbit_design.runtime import blpa, memory
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime._packing import packed_nbytes
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit import ops as op
 
 SPECIAL = [math.nan, math.inf, -math.inf]
@@ -58,16 +59,18 @@ def test_gradient_at_nan_and_inf_is_torchs(name, device, backend, make_table):
     for dtype in DTYPES:
         x, grad = (t.to(device) for t in inputs(dtype))
         leaf = x.clone().requires_grad_()
-        with op.use_backend(backend):
-            op.fewbit_activation(leaf, torch_module(name), op.table_tensors(table, device)).backward(grad)
+        with backends.use_backend(backend):
+            op.fewbit_activation(leaf, torch_module(name), backends.table_tensors(table, device)).backward(grad)
         nonfinite = ~torch.isfinite(x)
         # NaN -> NaN; +-inf -> torch's gradient (torch's own at NaN depends on the element's position, see ops)
         expected = torch.where(torch.isnan(x), torch.full_like(grad, math.nan), torch_grad(name, x, grad))
         assert same_bits(leaf.grad[nonfinite], expected[nonfinite]), (name, dtype, leaf.grad[nonfinite], expected)
         # the finite elements keep the table's gradient: the same as on the finite elements alone
         finite = x[~nonfinite].clone().requires_grad_()
-        with op.use_backend(backend):
-            op.fewbit_activation(finite, torch_module(name), op.table_tensors(table, device)).backward(grad[~nonfinite])
+        with backends.use_backend(backend):
+            op.fewbit_activation(finite, torch_module(name), backends.table_tensors(table, device)).backward(
+                grad[~nonfinite]
+            )
         assert same_bits(leaf.grad[~nonfinite], finite.grad), (name, dtype)
 
 
@@ -77,7 +80,9 @@ def test_positions_follow_logical_order_of_a_view(shape_kind, make_table):
     base[1, 2], base[3, 0] = math.nan, math.inf
     x = base.t() if shape_kind == "transposed" else base[:1].expand(3, 6)
     leaf = x.detach().requires_grad_()
-    op.fewbit_activation(leaf, torch.nn.SiLU(), op.table_tensors(make_table("silu", 3))).backward(torch.ones_like(x))
+    op.fewbit_activation(leaf, torch.nn.SiLU(), backends.table_tensors(make_table("silu", 3))).backward(
+        torch.ones_like(x)
+    )
     assert torch.equal(torch.isnan(leaf.grad), ~torch.isfinite(x))
 
 

@@ -32,7 +32,6 @@ from test_runtime_ops import edge_values
 
 from fewbit_design.runtime import nn as fnn
 from fewbit_design.runtime.fewbit import backends, one_pass
-from fewbit_design.runtime.fewbit import ops as op
 
 pytestmark = [
     pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="triton is not installed"),
@@ -91,7 +90,7 @@ def laid_out(flat, layout):
 def forward(module, x):
     tensors = module._table_tensors(x.device)
     boundaries, _ = tensors.for_input(x.dtype)
-    with op.use_backend("triton"):
+    with backends.use_backend("triton"):
         return backends.forward_triton(x, module._native, boundaries, tensors.interval_codes, tensors.bits)
 
 
@@ -159,7 +158,7 @@ def test_the_one_pass_path_does_not_call_the_native_op(monkeypatch, make_table):
 
     monkeypatch.setattr(one_pass, "formula_for", lambda function: one_pass.Formula("silu", one_pass.SILU))
     x = torch.randn(100)
-    with op.use_backend("triton"):
+    with backends.use_backend("triton"):
         y, _, _ = backends.forward_triton(x, native, tensors.boundaries32, tensors.interval_codes, tensors.bits)
     assert same_bits(y, one_pass.reference(one_pass.Formula("silu", one_pass.SILU), x, interpreted_functions()))
 
@@ -173,7 +172,7 @@ def test_autograd_on_the_triton_backend_gives_the_reference_backends_gradient(dt
     results = {}
     for backend in ("triton", "reference"):
         leaf = x.clone().requires_grad_()
-        with op.use_backend(backend):
+        with backends.use_backend(backend):
             y = module(leaf)
             y.backward(grad)
         results[backend] = (y.detach(), leaf.grad)
@@ -240,7 +239,7 @@ def test_cuda_one_pass_y_is_torchs_cuda_op_bitwise(key, dtype, make_table):
     boundaries, _ = tensors.for_input(dtype)
     for numel in [1, 7, 1023, 1024, 1025, (1 << 20) + 1]:
         x = inputs(module.table, dtype, numel, seed=numel).cuda()
-        with op.use_backend("triton"):
+        with backends.use_backend("triton"):
             y, packed, _ = backends.forward_triton(x, module._native, boundaries, tensors.interval_codes, 3)
         assert same_bits(y, module._native(x)), (key, dtype, numel)
         assert torch.equal(packed, backends.quantize_reference(x, boundaries, tensors.interval_codes, 3))

@@ -24,7 +24,7 @@ from test_kinks import same_bits
 from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import _packing as packing
 from fewbit_design.runtime import nn as fnn
-from fewbit_design.runtime.fewbit import ops as op
+from fewbit_design.runtime.fewbit import backends
 from fewbit_design.runtime.fewbit.lookup import MAX_NESTING, as_table
 from fewbit_design.table import MODES, Table, format_float
 
@@ -82,10 +82,10 @@ def test_boundary_beyond_float32_range_is_exact(tmp_path):
     # a boundary of 1e300 rounds up to +inf in float32: x >= it only for x = +inf, as in float64
     table = as_table(relu_table(boundaries=[0.0, 1e300], codes=[0, 1, 0], levels=[0.0, 1.0]))
     x = torch.tensor([-1.0, 6e4, math.inf, -math.inf])  # 6e4: finite in every dtype
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     for dtype in DTYPES:
         boundaries, _ = tensors.for_input(dtype)
-        packed = op.quantize_reference(x.to(dtype), boundaries, tensors.interval_codes, 1)
+        packed = backends.quantize_reference(x.to(dtype), boundaries, tensors.interval_codes, 1)
         codes = packing.unpack_reference(packed, 1, 4)
         assert codes.tolist() == [0, 1, 0, 0], dtype
 
@@ -137,7 +137,7 @@ def test_valid_tables_round_trip_through_json(table, tmp_path_factory):
     assert loaded.to_dict() == table.to_dict()
     assert np.array_equal(loaded.boundaries, table.boundaries) and np.array_equal(loaded.codes, table.codes)
     assert np.array_equal(loaded.levels, table.levels) and loaded.bits == table.bits and loaded.mode == table.mode
-    op.table_tensors(loaded)  # and the kernels accept it
+    backends.table_tensors(loaded)  # and the kernels accept it
 
 
 BAD_VALUES = st.sampled_from(
@@ -292,13 +292,13 @@ def numpy_grad(table, codes, grad):
 
 
 def check_kernel(backend, table, x, grad):
-    tensors = op.table_tensors(table)
+    tensors = backends.table_tensors(table)
     boundaries, levels = tensors.for_input(x.dtype)
     codes = numpy_codes(table, x)
-    with op.use_backend(backend):
-        packed = op.quantize(x, boundaries, tensors.interval_codes, table.bits)
+    with backends.use_backend(backend):
+        packed = backends.quantize(x, boundaries, tensors.interval_codes, table.bits)
         assert np.array_equal(packed.numpy(), numpy_packed(codes, table.bits)), (backend, x.dtype)
-        got = op.scale(grad, packed, levels if grad.dtype == torch.float64 else tensors.levels32, table.bits)
+        got = backends.scale(grad, packed, levels if grad.dtype == torch.float64 else tensors.levels32, table.bits)
     assert same_bits(got.reshape(grad.shape), numpy_grad(table, codes, grad)), (backend, x.dtype)
 
 

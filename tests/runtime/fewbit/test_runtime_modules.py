@@ -21,7 +21,7 @@ from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import functional as FF
 from fewbit_design.runtime import memory
 from fewbit_design.runtime import nn as fnn
-from fewbit_design.runtime.fewbit import ops as op
+from fewbit_design.runtime.fewbit import backends
 
 NAMES = [name for name in activations.names() if activations.get(name).torch_name]  # entries with a torch.nn class
 EXTRA = ("bits", "weight", "mode", "table")
@@ -428,7 +428,7 @@ def test_saved_bytes_against_native():
     with memory.saved_bytes() as m:
         native(x * 1.0)
     assert m.total == 4096 * 4
-    assert op.TableTensors._fields[0] == "bits"
+    assert backends.TableTensors._fields[0] == "bits"
 
 
 # ---------------------------------------------------------------------------------------------------------------------

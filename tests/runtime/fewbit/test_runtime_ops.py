@@ -85,7 +85,7 @@ def backends():
 
 
 def run(backend, function, *args):
-    with op.use_backend(backend):
+    with op_backends.use_backend(backend):
         return getattr(op, function)(*args)
 
 
@@ -101,7 +101,7 @@ SHAPES = [(1,), (7,), (1023,), (8 * 5 + 3,), (3, 5), (2, 3, 7), (2, 3, 4, 5), (0
 @pytest.mark.parametrize("shape", SHAPES, ids=str)
 def test_codes_and_gradient_match_the_table(backend, dtype, shape):
     table = random_table(bits=3, seed=sum(shape) + len(shape))
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     boundaries, levels = tensors.for_input(dtype)
     generator = torch.Generator().manual_seed(len(shape) * 100 + sum(shape))
     x = (torch.randn(shape, generator=generator) * 3).to(dtype)
@@ -121,7 +121,7 @@ def test_codes_and_gradient_match_the_table(backend, dtype, shape):
 def test_boundaries_their_neighbours_and_special_values(backend, dtype):
     # the rounding of boundaries to the compute dtype must not move any input across a boundary
     table = random_table(bits=4, boundaries=20, seed=3)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     boundaries, levels = tensors.for_input(dtype)
     x = edge_values(table, dtype)
     packed = run(backend, "quantize", x, boundaries, tensors.interval_codes, 4)
@@ -137,7 +137,7 @@ def test_bfloat16_subnormal_gradients_are_scaled_exactly(backend):
     # the Triton interpreter converts bfloat16 to float32 with subnormals flushed to zero: the backward kernel read
     # 1.8e-40 as 0 (found by test_properties.py's hypothesis search); it now reads the bit pattern, as forward does
     table = random_table(bits=2, boundaries=3, seed=4)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     x = torch.linspace(-6, 6, 21, dtype=torch.bfloat16)
     grad = torch.tensor([1.8367e-40, -9.2e-41, 1e-39, -1.1e-38] * 5 + [3.0], dtype=torch.bfloat16)
     assert (grad[:-1].abs() < torch.finfo(torch.bfloat16).tiny).all()  # subnormal
@@ -149,7 +149,7 @@ def test_bfloat16_subnormal_gradients_are_scaled_exactly(backend):
 @pytest.mark.parametrize("backend", ["reference", "numba"])
 def test_large_odd_input(backend):
     table = random_table(bits=2, boundaries=5, seed=7)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     x = torch.randn((1 << 20) + 3, generator=torch.Generator().manual_seed(1)) * 2
     packed = run(backend, "quantize", x, tensors.boundaries32, tensors.interval_codes, 2)
     np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 2))
@@ -170,7 +170,7 @@ def test_large_odd_input(backend):
 )
 def test_non_contiguous_inputs_follow_the_flattened_order(backend, view):
     table = random_table(bits=3, seed=11)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     base = torch.randn(9, 13, generator=torch.Generator().manual_seed(2)) * 3
     x = view(base)
     assert not x.is_contiguous()
@@ -184,7 +184,7 @@ def test_non_contiguous_inputs_follow_the_flattened_order(backend, view):
 @pytest.mark.parametrize("bits", range(1, 9))
 def test_kernels_agree_bitwise_at_every_bit_width(bits):
     table = random_table(bits=bits, boundaries=2**bits + 3, seed=bits)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     x = torch.randn(2051, generator=torch.Generator().manual_seed(bits)) * 3
     grad = torch.randn(2051, generator=torch.Generator().manual_seed(bits + 1))
     expected = oracle_packed(oracle_codes(table, x), bits)
@@ -211,9 +211,11 @@ def test_float32_table_with_two_code_changes_in_one_bucket_searches_that_bucket(
         error=0.0,
         snr_db=None,
     )
-    lut = op.build_lut32(op.boundaries_float32(table.boundaries), table.codes)
-    assert np.count_nonzero(lut == op.MULTI) == 1  # 1.0001 and 1.0002 share a bucket: resolved by binary search
-    tensors = op.table_tensors(table)
+    lut = op_backends.build_lut32(op_backends.boundaries_float32(table.boundaries), table.codes)
+    assert (
+        np.count_nonzero(lut == op_backends.MULTI) == 1
+    )  # 1.0001 and 1.0002 share a bucket: resolved by binary search
+    tensors = op_backends.table_tensors(table)
     x = torch.cat([torch.linspace(0.99, 1.01, 4001), edge_values(table, torch.float32)])
     packed = run("numba", "quantize", x, tensors.boundaries32, tensors.interval_codes, 2)
     np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 2))
@@ -223,10 +225,12 @@ def test_shipped_table_with_a_crowded_bucket_in_the_branchless_kernel():
     # silu's 8-bit level-set table has two boundaries within 2^-7 relative of each other: before the binary search
     # for such buckets, the whole tensor fell back to comparing with all 349 boundaries (about 10x slower)
     table = load_table("silu", bits=8)
-    lut = op.build_lut32(op.boundaries_float32(table.boundaries), table.codes)
-    assert np.any(lut == op.MULTI)
-    assert np.count_nonzero(op.direct_lut32(lut) == 0x100) > op_backends.BRANCHLESS_SPLITS  # the branchless kernel runs
-    tensors = op.table_tensors(table)
+    lut = op_backends.build_lut32(op_backends.boundaries_float32(table.boundaries), table.codes)
+    assert np.any(lut == op_backends.MULTI)
+    assert (
+        np.count_nonzero(op_backends.direct_lut32(lut) == 0x100) > op_backends.BRANCHLESS_SPLITS
+    )  # the branchless kernel runs
+    tensors = op_backends.table_tensors(table)
     x = torch.randn(4099, generator=torch.Generator().manual_seed(0)) * 4
     x = torch.cat([x, edge_values(table, torch.float32)])
     for backend in ("reference", "numba"):
@@ -236,12 +240,14 @@ def test_shipped_table_with_a_crowded_bucket_in_the_branchless_kernel():
 
 def test_lookup_table_of_a_designed_like_table_is_built(make_table):
     table = make_table("gelu", 3)
-    assert not np.any(op.build_lut32(op.boundaries_float32(table.boundaries), table.codes) == op.MULTI)
+    assert not np.any(
+        op_backends.build_lut32(op_backends.boundaries_float32(table.boundaries), table.codes) == op_backends.MULTI
+    )
 
 
 def test_boundaries_are_rounded_up_to_float32():
     boundaries = np.array([0.1, -0.1, 1.0, 3e38, 4e38, -4e38, 1e-46])
-    rounded = op.boundaries_float32(boundaries)
+    rounded = op_backends.boundaries_float32(boundaries)
     assert np.all(rounded.astype(np.float64) >= boundaries)
     with np.errstate(over="ignore"):
         below = np.nextafter(rounded, np.float32(-np.inf)).astype(np.float64)
@@ -268,14 +274,14 @@ def test_numba_kernels_split_over_threads_agree(threads, monkeypatch):
 
     monkeypatch.setattr(kernels, "MIN_TASK", 8)
     table = random_table(bits=3, seed=9)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     x = torch.randn(5 * kernels.CHUNK + 11, generator=torch.Generator().manual_seed(4))
     previous = torch.get_num_threads()
     try:
         torch.set_num_threads(threads)
-        packed = op.quantize_numba(x, tensors.boundaries32, tensors.interval_codes, 3)
+        packed = op_backends.quantize_numba(x, tensors.boundaries32, tensors.interval_codes, 3)
         grad = torch.randn_like(x)
-        result = op.scale_numba(grad, packed, tensors.levels32, 3)
+        result = op_backends.scale_numba(grad, packed, tensors.levels32, 3)
     finally:
         torch.set_num_threads(previous)
     np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 3))
@@ -327,7 +333,7 @@ def test_pack_rejects_bad_input():
 @pytest.mark.parametrize("device", DEVICES)
 def test_custom_ops_pass_opcheck(device):
     table = random_table(bits=3, seed=5)
-    tensors = op.table_tensors(table, device)
+    tensors = op_backends.table_tensors(table, device)
     x = torch.randn(37, device=device)
     torch.library.opcheck(torch.ops.fewbit.quantize.default, (x, tensors.boundaries32, tensors.interval_codes, 3))
     packed = torch.ops.fewbit.quantize(x, tensors.boundaries32, tensors.interval_codes, 3)
@@ -337,34 +343,42 @@ def test_custom_ops_pass_opcheck(device):
 
 def test_backend_choice_is_checked(monkeypatch):
     with pytest.raises(FewBitError, match="backend must be"):
-        with op.use_backend("cuda"):
+        with op_backends.use_backend("cuda"):
             pass
-    monkeypatch.setenv(op.BACKEND_ENV, "fast")
+    monkeypatch.setenv(op_backends.BACKEND_ENV, "fast")
     with pytest.raises(FewBitError, match="FEWBIT_BACKEND"):
-        op.backend_for(torch.device("cpu"))
-    monkeypatch.setenv(op.BACKEND_ENV, "reference")
-    assert op.backend_for(torch.device("cpu")) == "reference"
-    monkeypatch.delenv(op.BACKEND_ENV)
-    assert op.backend_for(torch.device("cpu")) == "numba"
-    assert op.backend_for(torch.device("meta")) == "reference"
+        op_backends.backend_for(torch.device("cpu"))
+    monkeypatch.setenv(op_backends.BACKEND_ENV, "reference")
+    assert op_backends.backend_for(torch.device("cpu")) == "reference"
+    monkeypatch.delenv(op_backends.BACKEND_ENV)
+    assert op_backends.backend_for(torch.device("cpu")) == "numba"
+    assert op_backends.backend_for(torch.device("meta")) == "reference"
+
+
+@pytest.mark.parametrize("name", ["table_tensors", "use_backend", "quantize_numba", "build_lut32"])
+def test_backend_names_reached_through_ops_warn_and_are_the_backends_own(name):
+    with pytest.warns(DeprecationWarning, match=f"ops.{name} is deprecated: import it from .*backends"):
+        assert getattr(op, name) is getattr(op_backends, name)
+    with pytest.raises(AttributeError, match="no attribute 'quantise'"):
+        op.quantise  # noqa: B018
 
 
 def test_without_numba_the_reference_runs(monkeypatch):
-    monkeypatch.delenv(op.BACKEND_ENV, raising=False)
+    monkeypatch.delenv(op_backends.BACKEND_ENV, raising=False)
     monkeypatch.setattr(op_backends, "_importable", lambda module: module != "numba")
-    assert op.backend_for(torch.device("cpu")) == "reference"
+    assert op_backends.backend_for(torch.device("cpu")) == "reference"
     table = random_table(bits=2, seed=2)
-    tensors = op.table_tensors(table)
+    tensors = op_backends.table_tensors(table)
     x = torch.randn(99)
-    packed = op.quantize(x, tensors.boundaries32, tensors.interval_codes, 2)
+    packed = op_backends.quantize(x, tensors.boundaries32, tensors.interval_codes, 2)
     np.testing.assert_array_equal(packed.numpy(), oracle_packed(oracle_codes(table, x), 2))
 
 
 def test_bad_inputs_raise_one_clear_error():
-    tensors = op.table_tensors(random_table(bits=3, seed=1))
+    tensors = op_backends.table_tensors(random_table(bits=3, seed=1))
     with pytest.raises(FewBitError, match="float32, float16, bfloat16 or float64"):
-        op.quantize(torch.arange(5), tensors.boundaries32, tensors.interval_codes, 3)
+        op_backends.quantize(torch.arange(5), tensors.boundaries32, tensors.interval_codes, 3)
     with pytest.raises(FewBitError, match="boundaries must be torch.float64"):
-        op.quantize(torch.randn(5, dtype=torch.float64), tensors.boundaries32, tensors.interval_codes, 3)
+        op_backends.quantize(torch.randn(5, dtype=torch.float64), tensors.boundaries32, tensors.interval_codes, 3)
     with pytest.raises(FewBitError, match="packed codes must be"):
-        op.scale(torch.randn(20), torch.zeros(3, dtype=torch.uint8), tensors.levels32, 3)
+        op_backends.scale(torch.randn(20), torch.zeros(3, dtype=torch.uint8), tensors.levels32, 3)
