@@ -17,6 +17,7 @@ import importlib
 import math
 import os
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import click
@@ -337,16 +338,7 @@ def _estimate_command(
         config, batch=batch, sequence=seq, device=target, dtype=dtype, gpus=gpus, fsdp=fsdp, master_weights=master,
         progress=stage,
     )  # fmt: skip
-    click.echo(result.report())
-    files = {}
-    if json_path is not None:
-        files[json_path] = result.to_json().encode()
-    if plot_path is not None:
-        files[plot_path] = estimate_figure_bytes(result, plot_path)
-    write_files_atomic(files, force=force)
-    for option, path in (("rows", json_path), ("figure", plot_path)):
-        if path is not None:
-            click.echo(f"{option} written to {path}")
+    _show_and_write(result, estimate_figure_bytes, ("rows", json_path), plot_path, force=force)
 
 
 _FACTORY_ONLY = ("--input-shape", "--vocab", "--budget", "--allow", "--chain", "--measure", "--save")
@@ -468,14 +460,27 @@ def memory(
             f"out of memory planning {factory!r} on the example inputs: {_first_line(error)}; "
             "give a smaller --input-shape"
         ) from None
-    click.echo(plan.report())
+    _show_and_write(plan, plan_figure_bytes, ("plan", save_path), plot_path, force=force)
+
+
+def _show_and_write(
+    result: Any,
+    figure: Callable[[Any, str], bytes],
+    json: tuple[str, str | None],
+    plot_path: str | None,
+    *,
+    force: bool,
+) -> None:
+    """Prints ``result``'s report, writes its JSON (``json``: what it is called, and the path or None) and its figure
+    (made by ``figure``) together, all or none, and says where each went."""
+    click.echo(result.report())
+    label, json_path = json
     files = {}
-    if save_path is not None:
-        files[save_path] = plan.to_json().encode()
+    if json_path is not None:
+        files[json_path] = result.to_json().encode()
     if plot_path is not None:
-        files[plot_path] = plan_figure_bytes(plan, plot_path)
+        files[plot_path] = figure(result, plot_path)
     write_files_atomic(files, force=force)
-    if save_path is not None:
-        click.echo(f"plan written to {save_path}")
-    if plot_path is not None:
-        click.echo(f"figure written to {plot_path}")
+    for what, path in ((label, json_path), ("figure", plot_path)):
+        if path is not None:
+            click.echo(f"{what} written to {path}")
