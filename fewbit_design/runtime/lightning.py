@@ -29,14 +29,14 @@ import lightning.pytorch as pl
 import torch
 
 from ..errors import FewBitError
-from .train_start import Step, TrainStart, first_batch
+from .train_start import StartOptions, Step, first_batch
 
 __all__ = ["FewBitLightningCallback"]
 
 logger = logging.getLogger("fewbit_design.runtime.lightning")
 
 
-class FewBitLightningCallback(pl.Callback):
+class FewBitLightningCallback(StartOptions, pl.Callback):
     """A Lightning ``Callback`` that, when training starts (``on_train_start``: the model is on its device and the
     train dataloader is set up), converts the ``LightningModule`` and/or plans and applies memory, on one training
     step of the first train batch.
@@ -66,10 +66,7 @@ class FewBitLightningCallback(pl.Callback):
     def __init__(
         self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None, *, strict: bool = False
     ) -> None:
-        self._start = TrainStart("FewBitLightningCallback", convert, plan, strict)
-        self.convert, self.plan, self.strict = self._start.convert, self._start.plan, self._start.strict
-        self.report: str | None = None
-        self.summary: str | None = None
+        super().__init__(convert, plan, strict=strict)
         self.figures: dict[str, float] = {}
         self._done: weakref.WeakSet[torch.nn.Module] = weakref.WeakSet()
 

@@ -105,6 +105,19 @@ def step_of_batch(batch: Any) -> Step:
     return Step(args=tuple(batch) if isinstance(batch, list | tuple) else (batch,))
 
 
+class StartOptions:
+    """The options of a train-start callback (``convert=``, ``plan=``, ``strict=``; see :class:`TrainStart`, which
+    checks them when the callback is made, naming it) and what its start made: :attr:`report` and :attr:`summary`."""
+
+    def __init__(
+        self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None, *, strict: bool = False
+    ) -> None:
+        self._start = TrainStart(type(self).__name__, convert, plan, strict)
+        self.convert, self.plan, self.strict = self._start.convert, self._start.plan, self._start.strict
+        self.report: str | None = None
+        self.summary: str | None = None
+
+
 class TrainStart:
     """A callback's ``convert=``, ``plan=`` and ``strict=``, checked when it is made: an unknown argument, a value
     that cannot be recorded, and every value the conversion and the planner check without a model (``bits=0``, a

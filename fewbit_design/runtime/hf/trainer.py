@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from collections.abc import Mapping
 from typing import Any
 
 import torch
 from transformers import TrainerCallback
 
 from ...errors import FewBitError
-from ..train_start import TrainStart, first_batch, step_of_batch, to_device
+from ..train_start import StartOptions, first_batch, step_of_batch, to_device
 from .config_record import ATTRIBUTE, _config_of, record
 
 __all__ = ["FewBitCallback"]
@@ -21,7 +20,7 @@ __all__ = ["FewBitCallback"]
 logger = logging.getLogger("fewbit_design.runtime.hf")
 
 
-class FewBitCallback(TrainerCallback):
+class FewBitCallback(StartOptions, TrainerCallback):
     """A ``transformers.TrainerCallback`` that, when training starts, converts the model and/or plans and applies
     memory, logs what it did, and records it in ``model.config.fewbit`` (so ``save_pretrained`` keeps it and
     :func:`~.config_record.restore` re-applies it after ``from_pretrained``).
@@ -47,14 +46,6 @@ class FewBitCallback(TrainerCallback):
     the model changes. A model whose config already holds a record and that has it applied (after
     :func:`~.config_record.restore`) is left as it is.
     """
-
-    def __init__(
-        self, convert: Mapping[str, Any] | None = None, plan: Mapping[str, Any] | None = None, *, strict: bool = False
-    ) -> None:
-        self._start = TrainStart("FewBitCallback", convert, plan, strict)
-        self.convert, self.plan, self.strict = self._start.convert, self._start.plan, self._start.strict
-        self.report: str | None = None
-        self.summary: str | None = None
 
     def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kwargs: Any) -> None:
         dataloader = kwargs.get("train_dataloader")
