@@ -3,8 +3,9 @@ device's peak FLOP/s and its memory traffic at the device's bandwidth, summed ov
 recomputation alike). Works on fake tensors (``FakeTensorMode``): shapes are all it reads.
 
 * FLOPs: ``torch.utils.flop_counter``'s formulas (matrix products, convolutions, attention), and for the project's
-  custom ops (opaque on fake tensors) the matrix products and attention they run (:func:`custom_op_flops`); other
-  operators count none (elementwise work is memory-bound on every device of :mod:`.devices`).
+  custom ops (opaque on fake tensors) the matrix products and attention they run, registered beside each op
+  (:func:`~.flops.register_flops`);
+  other operators count none (elementwise work is memory-bound on every device of :mod:`.devices`).
 * Bytes: each operator reads its tensor inputs and writes its outputs once (``numel x element size``); views and
   in-place results of an input move nothing new beyond what they read. The project's custom ops count their inputs
   and outputs too.
@@ -34,8 +35,9 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.flop_counter import flop_registry, sdpa_backward_flop_count, sdpa_flop_count
 
 from .devices import Device
+from .flops import FORMULAS
 
-__all__ = ["RooflineCost", "roofline", "custom_op_flops"]
+__all__ = ["RooflineCost", "roofline"]
 
 _FREE = {
     torch.ops.aten.detach.default,
@@ -82,63 +84,6 @@ def _nbytes(tensor: torch.Tensor) -> int:
     return tensor.numel() * tensor.element_size()
 
 
-def _rows(tensor: torch.Tensor) -> int:
-    return tensor.numel() // max(tensor.shape[-1], 1) if tensor.dim() else 1
-
-
-def _shape(arguments: dict, name: str) -> list[int] | None:
-    value = arguments.get(name)
-    if isinstance(value, torch.Tensor):
-        return list(value.shape)
-    for key in (f"{name}_shape", f"{name}_size"):
-        value = arguments.get(key)
-        if isinstance(value, list | tuple):
-            return [int(size) for size in value]
-    return None
-
-
-def _attention_flops(arguments: dict, backward: bool) -> float:
-    """SDPA's FLOPs (torch's formulas) for q (B, H, S, D) and k, v at their key/value heads (repeated to H), and
-    in backward the value projection a recomputing core runs again."""
-    q, k, v = (_shape(arguments, name) for name in ("q", "k", "v"))
-    if q is None or k is None or v is None:
-        return 0.0
-    k, v = [*q[:2], *k[2:]], [*q[:2], *v[2:]]
-    if not backward:
-        return float(sdpa_flop_count(q, k, v))
-    flops = float(sdpa_backward_flop_count([*q[:3], v[-1]], q, k, v))
-    x, weight = arguments.get("x"), arguments.get("weight")
-    if isinstance(x, torch.Tensor) and isinstance(weight, torch.Tensor):
-        flops += 2.0 * _rows(x) * weight.numel()
-    return flops
-
-
-def custom_op_flops(name: str, arguments: dict) -> float:
-    """The matrix-product and attention FLOPs of the project's custom op ``name`` (``fewbit::...``) called with
-    ``arguments`` (by the schema's names); 0 for the others (elementwise: memory-bound).
-
-    Args:
-        name: the op's name without its namespace (``compressed_linear``)
-        arguments: its arguments by name
-    """
-    backward = name.endswith("_backward")
-    if "attention" in name:
-        return _attention_flops(arguments, backward)
-    if name == "compressed_linear":
-        return 2.0 * _rows(arguments["x"]) * arguments["weight"].numel()
-    weights = [arguments.get(key) for key in ("w_gate", "w_up", "w_down", "weight")]
-    size = sum(w.numel() for w in weights if isinstance(w, torch.Tensor))
-    rows = next((_rows(arguments[k]) for k in ("x", "grad", "hidden") if isinstance(arguments.get(k), torch.Tensor)), 0)
-    if name.startswith("gated_mlp"):
-        flops = (4.0 if backward else 2.0) * rows * size
-        if name == "gated_mlp_recompute_backward":  # gate and up again, from x's codes
-            flops += 2.0 * rows * sum(w.numel() for w in weights[:2] if isinstance(w, torch.Tensor))
-        return flops
-    if name.startswith("lm_loss"):  # the chunked head computes its logits again in backward
-        return (6.0 if backward else 2.0) * rows * size
-    return 0.0
-
-
 class _RooflineMode(TorchDispatchMode):
     supports_higher_order_operators = True
 
@@ -155,12 +100,11 @@ class _RooflineMode(TorchDispatchMode):
         flops = 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
+        elif func.namespace == "fewbit" and func._schema.name in FORMULAS:  # the project's ops: opaque to torch
+            names = [argument.name for argument in func._schema.arguments]
+            flops = float(FORMULAS[func._schema.name]({**dict(zip(names, args, strict=False)), **kwargs}))
         elif packet in _CPU_FLASH:  # the CPU kernel fake tensors on "cpu" trace: a GPU runs the same attention
             flops = float(_CPU_FLASH[packet](*(list(t.shape) for t in args[: 3 + (packet is _CPU_BACKWARD)])))
-        elif func.namespace == "fewbit":
-            names = [argument.name for argument in func._schema.arguments][: len(args)]
-            arguments = {**dict(zip(names, args, strict=True)), **kwargs}
-            flops = custom_op_flops(func._schema.name.split("::")[-1], arguments)
         inputs = [t for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
         outputs = [t for t in tree_leaves(out) if isinstance(t, torch.Tensor)]
         moved = sum(_nbytes(t) for t in inputs) + sum(_nbytes(t) for t in outputs)

@@ -38,6 +38,7 @@ import torch
 
 from ...errors import FewBitError
 from .._torchscript import NotScriptable
+from ..flops import attention_flops, register_flops
 from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
 from .ops import _native_picks_flash, _repeat, _sum_over_groups, flash_gradients_like, flash_layout
 
@@ -324,6 +325,10 @@ def _dropout_backward(ctx, grad: torch.Tensor):
 
 
 _dropout_attention.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
+register_flops("value_recompute_attention", "dropout_attention")(lambda arguments: attention_flops(arguments, False))
+register_flops("value_recompute_attention_backward", "dropout_attention_backward")(
+    lambda arguments: attention_flops(arguments, True)
+)
 
 
 def _check_inputs(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> None:

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from .._eager import eager_twin, tracing
+from ..flops import attention_flops, register_flops
 from ..linear.ops import share_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, dequantize_shared, quantize_codes
 from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
@@ -447,6 +448,12 @@ def _flash_backward(ctx, grad: torch.Tensor, *_unused: torch.Tensor | None):
 
 
 _flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
+register_flops("compressed_attention", "compressed_attention_flash")(
+    lambda arguments: attention_flops(arguments, False)
+)
+register_flops("compressed_attention_backward", "compressed_attention_flash_backward")(
+    lambda arguments: attention_flops(arguments, True)
+)
 _FlashAttentionEager = eager_twin(_flash_attention_impl, _flash_setup_context, _flash_backward)
 
 

@@ -61,6 +61,7 @@ import torch
 from ...errors import FewBitError
 from .._eager import eager_twin, tracing
 from .._packing import _numba_available
+from ..flops import register_flops
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import (
     GROUP_SIZE,
@@ -77,6 +78,7 @@ from .ops import (
     _gated_forward,
     _wanted_grads,
     mode_entry,
+    product_flops,
 )
 
 __all__ = ["gated_mlp_compressed", "saved_nbytes_per_token"]
@@ -335,6 +337,8 @@ def _backward(ctx, grad, *_):
 
 
 torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)
+register_flops("gated_mlp_compressed")(product_flops)
+register_flops("gated_mlp_compressed_backward")(lambda arguments: product_flops(arguments, passes=2))
 _GatedCompressedEager = eager_twin(_forward_impl, _setup_context, _backward)
 
 

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import FewBitError, check_choice
+from ..flops import register_flops, rows
 
 __all__ = ["ACTIVATIONS", "gated_mlp", "gated_mlp_reference"]
 
@@ -297,6 +298,19 @@ def _backward(ctx, grad, *_):
 
 
 torch.library.register_autograd("fewbit::gated_mlp", _backward, setup_context=_setup_context)
+
+
+def product_flops(arguments: dict, weights: tuple[str, ...] = ("w_gate", "w_up", "w_down"), passes: int = 1) -> float:
+    """The FLOPs of ``passes`` products of the MLP's rows (of ``x``, or of ``grad`` in backward) with each of the
+    ``weights`` given (a fused gate_up weight is one): a gated op's formula for :func:`~..flops.register_flops`.
+    Forward runs one pass, backward two (the input's and the weights' gradients)."""
+    first = arguments["x"] if isinstance(arguments.get("x"), torch.Tensor) else arguments["grad"]
+    size = sum(weight.numel() for key in weights if isinstance(weight := arguments.get(key), torch.Tensor))
+    return 2.0 * passes * rows(first) * size
+
+
+register_flops("gated_mlp")(product_flops)
+register_flops("gated_mlp_backward")(lambda arguments: product_flops(arguments, passes=2))
 
 
 class _ExactGatedMLP(torch.autograd.Function):

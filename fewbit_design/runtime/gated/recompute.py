@@ -29,6 +29,7 @@ import torch.nn.functional as F
 
 from ...errors import FewBitError
 from .._eager import eager_twin, traced_body, tracing
+from ..flops import register_flops
 from ..linear.ops import _codes as input_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_codes, saved_nbytes
 from .ops import (
@@ -38,6 +39,7 @@ from .ops import (
     _wanted_grads,
     fake_parameter_grads,
     mode_entry,
+    product_flops,
 )
 
 __all__ = ["gated_mlp_recompute", "saved_nbytes_per_token"]
@@ -147,6 +149,15 @@ def _backward(ctx, grad):
 
 
 torch.library.register_autograd("fewbit::gated_mlp_recompute", _backward, setup_context=_setup_context)
+register_flops("gated_mlp_recompute")(product_flops)
+
+
+@register_flops("gated_mlp_recompute_backward")
+def _backward_flops(arguments: dict) -> float:
+    """Backward's two passes, and gate and up again from x's codes."""
+    return product_flops(arguments, passes=2) + product_flops(arguments, ("w_gate", "w_up"))
+
+
 _GatedRecomputeEager = eager_twin(_forward_impl, _setup_context, _backward)
 
 

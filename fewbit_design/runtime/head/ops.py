@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from ...errors import FewBitError, check_choice, check_integer, check_positive
+from ..flops import register_flops, rows
 
 __all__ = ["REDUCTIONS", "MIN_CHUNK_BYTES", "default_chunk_rows", "lm_loss", "lm_loss_reference"]
 
@@ -279,6 +280,9 @@ def _backward(ctx, grad_loss, _grad_lse):
 
 
 _lm_loss_op.register_autograd(_backward, setup_context=_setup_context)
+register_flops("lm_loss")(lambda arguments: 2.0 * rows(arguments["hidden"]) * arguments["weight"].numel())
+# backward computes the logits again, then the hidden states' and the weight's gradients
+register_flops("lm_loss_backward")(lambda arguments: 6.0 * rows(arguments["hidden"]) * arguments["weight"].numel())
 
 
 def lm_loss_reference(

@@ -36,6 +36,7 @@ import torch
 from torch._subclasses.fake_tensor import is_fake
 
 from .._eager import eager_twin, tracing
+from ..flops import register_flops, rows
 from .quant import GROUP_SIZE, check_options, dequantize_codes, quantize_codes
 
 __all__ = ["compressed_linear", "native_linear", "share_codes"]
@@ -100,6 +101,7 @@ def _backward(ctx, grad: torch.Tensor):
 
 
 _compressed_linear.register_autograd(_backward, setup_context=_setup_context)
+register_flops("compressed_linear")(lambda arguments: 2.0 * rows(arguments["x"]) * arguments["weight"].numel())
 _CompressedLinearEager = eager_twin(_compressed_linear_impl, _setup_context, _backward)
 
 
