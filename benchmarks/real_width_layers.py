@@ -25,7 +25,6 @@ benchmarks/results/real_width_layers.csv). No timings: the bytes are what this m
 from __future__ import annotations
 
 import argparse
-import copy
 import gc
 import sys
 from pathlib import Path
@@ -62,12 +61,25 @@ CANDIDATES = {
 }
 
 
-def build(name: str):
-    """A 1-layer model of the named width in bfloat16, training mode, its default dropout."""
+def build(name: str, fake: bool = False):
+    """A 1-layer model of the named width in bfloat16, training mode, its default dropout (``fake``: built under
+    fake mode, in bfloat16 from the start: fake parameters cannot be cast in place)."""
     import torch
-    import transformers as t
 
     torch.manual_seed(0)
+    if fake:
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            return _build(name).train()
+        finally:
+            torch.set_default_dtype(previous)
+    return _build(name).to(torch.bfloat16).train()
+
+
+def _build(name: str):
+    import transformers as t
+
     common = dict(vocab_size=256, attn_implementation="sdpa")
     if name == "bert-large":
         config = t.BertConfig(hidden_size=1024, num_attention_heads=16, intermediate_size=4096, num_hidden_layers=1,
@@ -89,7 +101,7 @@ def build(name: str):
                                num_hidden_layers=1, max_position_embeddings=8192, rope_theta=theta,
                                use_cache=False, **common)  # fmt: skip
         model = t.LlamaForCausalLM(config)
-    return model.to(torch.bfloat16).train()
+    return model
 
 
 def _block_of(name: str, model):
@@ -178,20 +190,33 @@ def block_bytes(name: str, model, tokens: int, compiled: bool) -> int:
     return saved.total
 
 
-def measure(name: str, tokens: int, compiled: bool, candidates: dict) -> list[dict]:
-    from fewbit_design import runtime
+def measure(name: str, tokens: int, compiled: bool, candidates: dict, kernels: str = "cpu") -> list[dict]:
+    """The rows of one layer at ``tokens``: real tensors (``kernels="cpu"``), or fake tensors with a GPU's kernel
+    choices (``"cuda"``: :func:`fewbit_design.runtime.fake.fake_mode`)."""
+    import contextlib
 
-    native = build(name)
+    from fewbit_design.runtime.fake import fake_mode
+
+    with fake_mode(kernels="cuda") if kernels == "cuda" else contextlib.nullcontext():
+        return _measure(name, tokens, compiled, candidates, kernels)
+
+
+def _measure(name: str, tokens: int, compiled: bool, candidates: dict, kernels: str) -> list[dict]:
+    from fewbit_design import runtime
+    from fewbit_design.runtime.fake import deepcopy_module
+
+    native = build(name, fake=kernels == "cuda")
     rows, found = [], {}
     for candidate, keywords in candidates.items():
-        model = native if keywords is None else runtime.convert(copy.deepcopy(native), **keywords)
+        model = native if keywords is None else runtime.convert(deepcopy_module(native), **keywords)
         for mode in ("eager", "compiled") if compiled else ("eager",):
             total = block_bytes(name, model, tokens, mode == "compiled")
             found[candidate, mode] = total
             ratio = total / found["native", mode]
-            rows.append(dict(layer=name, tokens=tokens, dtype="bfloat16", candidate=candidate, mode=mode,
-                             kib_per_token=total / tokens / 1024, ratio=ratio))  # fmt: skip
-            print(f"{name} {tokens} {mode:8s} {candidate:28s} {total / tokens / 1024:8.1f} KiB/token ({ratio:.3f}x)")
+            rows.append(dict(layer=name, tokens=tokens, dtype="bfloat16", kernels=kernels, candidate=candidate,
+                             mode=mode, kib_per_token=total / tokens / 1024, ratio=ratio))  # fmt: skip
+            print(f"{name} {tokens} {kernels} {mode:8s} {candidate:28s} {total / tokens / 1024:8.1f} KiB/token "
+                  f"({ratio:.3f}x)")  # fmt: skip
         if model is not native:
             del model
             gc.collect()
@@ -204,6 +229,8 @@ def check(rows: list[dict]) -> list[str]:
     for row in rows:
         tokens, targets = TARGETS.get(row["layer"], (None, {}))
         if row["mode"] != "eager" or row["candidate"] not in targets or row["tokens"] != tokens:
+            continue
+        if row.get("kernels", "cpu") != "cpu":  # the targets are held on this machine's kernels (see the docstring)
             continue
         bound, unit = targets[row["candidate"]]
         value = row["ratio"] if unit == "x" else row["kib_per_token"]
@@ -219,20 +246,32 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--candidates", nargs="+", default=list(CANDIDATES), choices=list(CANDIDATES))
     parser.add_argument("--compiled", action="store_true", help="also run each block under torch.compile")
     parser.add_argument("--merge", action="store_true", help="keep the rows of --out that this run does not redo")
+    parser.add_argument(
+        "--kernels",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: real tensors on this machine; cuda: fake tensors with a GPU's kernel choices (runtime.fake)",
+    )
     harness.add_options(parser, out=str(harness.RESULTS / "real_width_layers.csv"), threads=0)
     args = parser.parse_args(argv)
+    if args.kernels == "cuda" and args.compiled:
+        parser.error("--kernels cuda measures eager blocks under fake mode: drop --compiled")
     harness.set_threads(args.threads)
     candidates = {name: CANDIDATES[name] for name in ("native", *args.candidates)}
     rows = []
     for name in args.layers:
         for tokens in args.tokens or TOKENS[name]:
-            rows.extend(measure(name, tokens, args.compiled, candidates))
+            rows.extend(measure(name, tokens, args.compiled, candidates, args.kernels))
     for line in check(rows):
         print(line)
     if args.merge and Path(args.out).exists():
-        redone = {(row["layer"], str(row["tokens"]), row["candidate"], row["mode"]) for row in rows}
-        kept = [row for row in harness.read_csv(args.out)
-                if (row["layer"], row["tokens"], row["candidate"], row["mode"]) not in redone]  # fmt: skip
+
+        def key(row: dict) -> tuple:
+            return row["layer"], str(row["tokens"]), row.get("kernels") or "cpu", row["candidate"], row["mode"]
+
+        redone = {key(row) for row in rows}
+        kept = [{**row, "kernels": row.get("kernels") or "cpu"} for row in harness.read_csv(args.out)
+                if key(row) not in redone]  # fmt: skip
         rows = kept + rows
     harness.write_csv(args.out, rows)
     return rows

@@ -206,7 +206,9 @@ How to read the numbers:
 * **measured**: bytes, found under fake mode on a model of two real-width layers (nothing allocated) and replayed
   over the config's depth: exact for the tensors the step holds (see
   [Memory measurement](memory.md#fake-mode-real-sizes-without-the-hardware) for what fake mode cannot see:
-  allocator rounding and cache, fragmentation, kernels' workspace). *fits* compares
+  allocator rounding and cache, fragmentation, kernels' workspace), with a GPU's kernel choices where they keep
+  other tensors than the CPU's (`fake_mode(kernels="cuda")`: native SDPA with dropout in a fused kernel, no
+  sequence x sequence tensor kept; native dropout with a bool mask). *fits* compares
   the peak with the datasheet's 80 GB; *max seq* (a multiple of 128; `*`: the config's own limit) and *max batch*
   are where the same measurements cross it.
 * **predicted**: step times, a roofline at the H100's datasheet peaks (989 TFLOP/s bfloat16, 3.35 TB/s): a lower

@@ -41,6 +41,7 @@ class Device:
         memory_bandwidth: bytes per second between the device and its memory
         host_bandwidth: bytes per second, one direction, between the device and host memory
         source: where the numbers come from
+        kernels: whose kernel choices its memory follows (``"cuda"`` or ``"cpu"``; :func:`~.fake.fake_mode`)
     """
 
     name: str
@@ -50,6 +51,7 @@ class Device:
     memory_bandwidth: float
     host_bandwidth: float
     source: str
+    kernels: str = "cuda"
 
     def flops(self, dtype_name: str) -> float:
         """The dense FLOP/s for arithmetic in ``dtype_name`` (``"bfloat16"``, ``"float16"``, ``"float32"``, ...):
@@ -133,4 +135,4 @@ def measure_cpu() -> Device:
     except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
         memory = 0
     return Device("cpu", int(memory), flops[torch.bfloat16], flops[torch.float32], bandwidth, bandwidth,
-                  "measured on this machine (matrix products, a 64 MiB copy)")  # fmt: skip
+                  "measured on this machine (matrix products, a 64 MiB copy)", kernels="cpu")  # fmt: skip

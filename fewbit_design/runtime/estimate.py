@@ -601,7 +601,7 @@ def estimate(
     wanted = [name for name in VARIANTS if name in variants] + list(extra)
     bases = {**_BASES, **{name: name for name in extra}}
     results: dict[str, VariantEstimate] = {}
-    with fake_mode():
+    with fake_mode(kernels=target.kernels):  # a GPU's kernel choices for a GPU (native dropout, SDPA with dropout)
         for base in dict.fromkeys(bases[name] for name in wanted):
             if progress is not None:
                 progress(f"measuring {', '.join(name for name in wanted if bases[name] == base)} under fake mode")

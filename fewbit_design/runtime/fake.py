@@ -48,7 +48,13 @@ from typing import Any
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 
-__all__ = ["fake_mode", "is_fake", "deepcopy_module"]
+from ..errors import check_choice
+
+__all__ = ["fake_mode", "is_fake", "deepcopy_module", "kernel_device", "KERNELS"]
+
+#: the devices whose kernel choices a measurement can follow (:func:`fake_mode`'s ``kernels``)
+KERNELS = ("cpu", "cuda")
+_target = {"kernels": "cpu"}  # the innermost active fake_mode's
 
 
 def deepcopy_module(module: torch.nn.Module) -> torch.nn.Module:
@@ -95,6 +101,55 @@ def _full_batch_masks(masking: Any) -> dict[str, Callable]:
     return replacements
 
 
+def kernel_device(tensor: torch.Tensor) -> str:
+    """The device type whose kernels run on ``tensor``: its own, or ``"cuda"`` for a fake tensor of
+    ``fake_mode(kernels="cuda")`` (a CPU tensor measured as CUDA would run it). The runtime's ops ask this where
+    they choose by device.
+
+    Args:
+        tensor: a tensor the op runs on
+    """
+    return "cuda" if _target["kernels"] == "cuda" and _ours(tensor) else tensor.device.type
+
+
+def _cuda_kernels(functional: Any) -> dict[str, Callable]:
+    """Replacements of native functions that run, on fake tensors, as CUDA runs them where CUDA's kernel keeps other
+    tensors for backward than the CPU's: SDPA with dropout runs a fused kernel on CUDA (flash or memory-efficient,
+    which draw the mask again in backward) and its math path on CPU (the probabilities and the mask kept: S x S), so
+    it runs here without dropout (the fused kernel's saved tensors; its random state, two 8-byte scalars, is not
+    counted); dropout keeps a bool mask on CUDA (``native_dropout``) and a noise tensor of the input's dtype on CPU."""
+    sdpa, dropout = functional.scaled_dot_product_attention, functional.dropout
+
+    def scaled_dot_product_attention(query: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
+        if _ours(query):
+            if len(args) > 3:
+                args = (*args[:3], 0.0, *args[4:])
+            else:
+                kwargs["dropout_p"] = 0.0
+        return sdpa(query, *args, **kwargs)
+
+    def dropout_(input: torch.Tensor, p: float = 0.5, training: bool = True, inplace: bool = False) -> torch.Tensor:
+        if _ours(input) and training and 0.0 < p < 1.0 and not inplace:
+            return torch.ops.aten.native_dropout(input, p, True)[0]
+        return dropout(input, p, training, inplace)
+
+    return {"scaled_dot_product_attention": scaled_dot_product_attention, "dropout": dropout_}
+
+
+@contextlib.contextmanager
+def _kernels(kernels: str) -> Iterator[None]:
+    previous = _target["kernels"]
+    _target["kernels"] = kernels
+    try:
+        if kernels == "cuda":
+            with _patched(torch.nn.functional, _cuda_kernels(torch.nn.functional)):
+                yield
+        else:
+            yield
+    finally:
+        _target["kernels"] = previous
+
+
 def _sdp_choice(original: Callable) -> Callable:
     def _fused_sdp_choice(*args: Any, **kwargs: Any) -> int:
         tensors = [value for value in (*args, *kwargs.values()) if isinstance(value, torch.Tensor)]
@@ -133,11 +188,20 @@ def _patched(owner: Any, replacements: dict[str, Callable]) -> Iterator[None]:
 
 
 @contextlib.contextmanager
-def fake_mode() -> Iterator[FakeTensorMode]:
+def fake_mode(kernels: str = "cpu") -> Iterator[FakeTensorMode]:
     """A ``FakeTensorMode`` (yielded) in which models are built and measured as real ones would be (see the module
     docstring): tensors made in the block are fake, Hugging Face masks treat fake inputs as a full batch, and
-    ``trunc_normal_`` leaves fake tensors alone. Everything is put back on exit."""
+    ``trunc_normal_`` leaves fake tensors alone. Everything is put back on exit.
+
+    Args:
+        kernels: whose kernel choices the fake tensors (CPU tensors) follow, where CPU and CUDA keep different
+            tensors for backward: ``"cpu"`` (this machine's: the measurement equals a real CPU run) or ``"cuda"``
+            (a GPU's: native SDPA with dropout in a fused kernel, native dropout with a bool mask, and the runtime's
+            ops as they choose on CUDA, :func:`kernel_device`)
+    """
+    check_choice("kernels", kernels, KERNELS)
     with contextlib.ExitStack() as stack:
+        stack.enter_context(_kernels(kernels))
         masking = sys.modules.get("transformers.masking_utils")
         if masking is None and importlib.util.find_spec("transformers") is not None:
             # imported now if installed: a model built inside the block would import it after the patch was decided

@@ -16,6 +16,7 @@ from families import FAMILIES, build
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from fewbit_design import runtime
+from fewbit_design.errors import FewBitError
 from fewbit_design.runtime import memory
 from fewbit_design.runtime.fake import deepcopy_module, fake_mode, is_fake
 from fewbit_design.runtime.probe import caches_disabled, step_loss
@@ -231,3 +232,29 @@ def test_a_compressed_norm_step_peak_under_fake_mode_is_the_real_one(kind):
         return peak.peak_bytes, peak.baseline_bytes
 
     assert measure(True) == measure(False)
+
+
+def test_cuda_kernels_keep_what_a_gpus_kernels_keep():
+    """fake_mode(kernels="cuda"): native SDPA with dropout keeps what a fused kernel keeps (q, k, v, the output and
+    the float32 log-sum-exp: no S x S probabilities or mask, as CUDA's flash kernel), native dropout a bool mask (one
+    byte per element, CUDA's native_dropout) where the CPU keeps bfloat16 noise (two); the default follows the CPU's
+    kernels, and the functions are torch's again after the block."""
+    batch, heads, rows, dim = 2, 4, 128, 16
+    fused = 4 * batch * heads * rows * dim * 2 + batch * heads * rows * 4  # q, k, v, output (bfloat16), lse
+    kept = {}
+    for kernels in ("cpu", "cuda"):
+        with fake_mode(kernels=kernels):
+            q, k, v = (torch.randn(batch, heads, rows, dim, dtype=torch.bfloat16, requires_grad=True) for _ in "qkv")
+            q, k, v = q * 1.0, k * 1.0, v * 1.0  # not leaves: counted where kept
+            with memory.saved_bytes() as attention:
+                torch.nn.functional.scaled_dot_product_attention(q, k, v, dropout_p=0.1, is_causal=True)
+            x = torch.randn(64, 32, dtype=torch.bfloat16, requires_grad=True) * 1.0
+            with memory.saved_bytes() as dropout:
+                torch.nn.functional.dropout(x, 0.1, training=True)
+        kept[kernels] = attention.total, dropout.total
+    assert kept["cuda"] == (fused, 64 * 32)
+    assert kept["cpu"][0] > fused + batch * heads * rows * rows and kept["cpu"][1] == 2 * 64 * 32
+    assert torch.nn.functional.dropout.__module__ == "torch.nn.functional"
+    with pytest.raises(FewBitError, match="kernels must be 'cpu' or 'cuda', got 'tpu'"):
+        with fake_mode(kernels="tpu"):
+            pass

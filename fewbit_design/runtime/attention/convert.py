@@ -14,10 +14,13 @@ changed, so removing the replacement (``runtime.convert`` restores the original 
 off, or on error) restores the model exactly. Attention modules with another implementation (``"eager"``: its
 softmax is not SDPA's, so the forward would not be bitwise the model's) are left alone with the reason in the report.
 
-Attention dropout (training): both modes run :mod:`.dropout`'s core (native SDPA's math path with a keep mask drawn
-from a seed the core keeps, drawn again in backward): nothing of size S x S is kept, where native SDPA with dropout
-runs its math path and keeps the probabilities and the mask. In the exact mode a module without a value projection
-(GPT-2's ``Conv1D``) keeps v; the core still keeps the caller's mask where native SDPA keeps a float copy per layer.
+Attention dropout (training): the compressed mode, and the exact mode where native SDPA would run its math path
+(always on the CPU; :func:`~.ops.native_keeps_probabilities`), run :mod:`.dropout`'s core (native SDPA's math path with
+a keep mask drawn from a seed the core keeps, drawn again in backward): nothing of size S x S is kept, where native's
+math path keeps the probabilities and the mask. Where native runs a fused kernel with dropout (CUDA: flash or
+memory-efficient attention, which keep nothing of size S x S either), the exact mode leaves the call to it. In the
+exact mode a module without a value projection (GPT-2's ``Conv1D``) keeps v; the core still keeps the caller's mask
+where native SDPA keeps a float copy per layer.
 
 When the module's output projection (:data:`OUTPUT_PROJECTIONS`) is a compressed linear and the core's codes have
 :data:`SHARED_OUTPUT_BITS` bits, the core makes the projection's codes of its output and shares them, and keeps the
@@ -53,7 +56,7 @@ from ..linear.quant import GROUP_SIZE, check_options
 from ..modules import slots, swap
 from ..report import Report
 from .exact import ValueLinear, dropout_attention, take_recipe, value_recompute_attention
-from .ops import compressed_attention
+from .ops import compressed_attention, native_keeps_probabilities
 
 __all__ = ["convert", "AttentionReport", "hf_attention_forward", "IMPLEMENTATION"]
 
@@ -164,6 +167,9 @@ def hf_attention_forward(
     is_causal = bool(q_length > 1 and attention_mask is None and is_causal)
     call = dict(scale=scaling, is_causal=is_causal)
     if exact and dropout > 0.0:  # k and v at their key/value heads, whatever transformers would repeat
+        grouped = key.shape[1] != query.shape[1]
+        if not native_keeps_probabilities(query, key, value, attention_mask, dropout, scaling, is_causal, grouped):
+            return native()  # a fused kernel (CUDA) keeps nothing of size S x S either, and runs faster
         rebuild = dict(recipe=recipe, projection=projection)
         output = dropout_attention(query, key, value, attention_mask, p=dropout, **call, **rebuild)
     elif exact:

@@ -38,6 +38,7 @@ import torch
 
 from ...errors import FewBitError
 from .._torchscript import NotScriptable
+from ..fake import kernel_device
 from ..flops import attention_flops, register_flops
 from .dropout import check_probability, draw_seed, dropout_attention_backward, dropout_attention_forward
 from .ops import _native_picks_flash, _repeat, _sum_over_groups, flash_gradients_like, flash_layout
@@ -228,7 +229,7 @@ def value_recompute_attention(
         return None
     if mask is not None and mask.requires_grad:
         return None
-    if v.shape[-1] != q.shape[-1] or q.device.type != "cpu":
+    if v.shape[-1] != q.shape[-1] or kernel_device(q) != "cpu":
         return None
     # query heads per key/value head, repeated by this op as repeat_kv does (or SDPA under enable_gqa)
     repeat = q.shape[1] // k.shape[1] if enable_gqa else kv_repeat

@@ -46,6 +46,7 @@ from __future__ import annotations
 import torch
 
 from .._eager import eager_twin, tracing
+from ..fake import is_fake, kernel_device
 from ..flops import attention_flops, register_flops
 from ..linear.ops import share_codes
 from ..linear.quant import GROUP_SIZE, check_options, dequantize_groups, dequantize_shared, quantize_codes
@@ -120,6 +121,21 @@ def _native_picks_flash(q, k, v, mask, scale, is_causal, repeat) -> bool:
         all(t.dim() == 4 and t.dtype in _FLASH_DTYPES and t.stride(-1) == 1 and t.shape[-2] > 0 for t in tensors)
         and q.shape[-1] == k.shape[-1] == v.shape[-1]
     )
+
+
+def native_keeps_probabilities(q, k, v, mask, p, scale, is_causal, enable_gqa) -> bool:
+    """Whether native SDPA with dropout ``p`` runs its math path, which keeps the S x S probabilities and dropout mask
+    for backward: always on CPU (its flash kernel takes no dropout); elsewhere only where torch picks no fused
+    kernel (on CUDA flash, memory-efficient and cuDNN attention take dropout and draw the mask again in backward).
+    Fake tensors follow :func:`~..fake.kernel_device`; under torch.compile, which cannot trace torch's choice, a
+    fused kernel is assumed off the CPU."""
+    device = kernel_device(q)
+    if device == "cpu":
+        return True
+    if torch.compiler.is_compiling() or is_fake(q):
+        return False
+    choice = torch._fused_sdp_choice(q, k, v, mask, p, is_causal, scale=scale, enable_gqa=enable_gqa)
+    return choice == int(torch.nn.attention.SDPBackend.MATH)
 
 
 def attention_backward_reference(

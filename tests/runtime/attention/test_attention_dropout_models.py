@@ -201,3 +201,36 @@ def test_compiled_block_keeps_at_most_what_it_keeps_in_eager(family, mode):
     model, _ = build(family, kv_heads=1, dropout=0.1)
     convert(model.train(), mode=mode)
     assert _block_bytes(model, family, True) <= _block_bytes(model, family, False)
+
+
+@pytest.mark.parametrize("family", ["gpt2", "bert"])
+def test_exact_mode_leaves_dropout_to_a_fused_native_kernel(family, monkeypatch):
+    """Where native SDPA with dropout runs a fused kernel (CUDA: flash or memory-efficient attention, which keep no
+    sequence x sequence tensor either and draw the mask again in backward), the exact core leaves the call to it: no
+    dropout core runs and the step is native's, bit for bit (same seed, same draws). On CPU native runs its math
+    path, so the core runs. CUDA's choice is stood in for by fake_mode(kernels="cuda")'s answer on CPU here."""
+    import importlib
+
+    from fewbit_design.runtime.attention import ops
+    from fewbit_design.runtime.fake import fake_mode
+
+    convert_module = importlib.import_module("fewbit_design.runtime.attention.convert")  # (the package has convert)
+    calls = []
+    original = convert_module.dropout_attention
+    monkeypatch.setattr(convert_module, "dropout_attention", lambda *a, **k: calls.append(1) or original(*a, **k))
+    native, batch = build(family, dropout=0.1)
+    converted = convert(copy.deepcopy(native), mode="exact")
+    assert converted.attention_report.replaced
+    output(converted.train(), batch)
+    assert calls, "on CPU the dropout core runs (native's math path keeps S x S)"
+    calls.clear()
+    monkeypatch.setattr(convert_module, "native_keeps_probabilities", lambda *args: False)
+    torch.manual_seed(3)
+    expected = output(native.train(), batch)
+    torch.manual_seed(3)
+    got = output(converted.train(), batch)
+    assert not calls and torch.equal(got, expected)
+    with fake_mode(kernels="cuda"):
+        q = torch.randn(1, 2, 8, 4)
+        assert not ops.native_keeps_probabilities(q, q, q, None, 0.1, None, True, False)
+    assert ops.native_keeps_probabilities(q, q, q, None, 0.1, None, True, False)  # a real CPU tensor
