@@ -66,11 +66,6 @@ def test_the_rule_sees_a_long_function(tmp_path):
 
 # (module users import, module the code lives in, names)
 SPLITS = [
-    (
-        "fewbit_design.runtime.fewbit.ops",
-        "fewbit_design.runtime.fewbit.backends",
-        ["table_tensors", "TableTensors", "quantize", "scale", "quantize_reference", "use_backend", "backend_for"],
-    ),
     ("fewbit_design.runtime.fewbit.convert", "fewbit_design.runtime.fewbit.matching", ["ECOSYSTEM", "canonical_name"]),
     (
         "fewbit_design.table",
