@@ -240,8 +240,10 @@ class Estimate:
             )  # fmt: skip
             lines.append("  ".join(f"{cell:>{_width(c)}}" for cell, c in zip(cells, columns, strict=True)))
         lines.append("")
-        lines.append("bytes: measured under fake mode (exact for the tensors; no allocator rounding, fragmentation")
-        lines.append("or kernel workspace); times: predicted by a roofline at the device's peaks (a lower bound).")
+        kernels = "a GPU's" if self.device.kernels == "cuda" else "this CPU's"
+        lines.append(f"bytes: measured under fake mode with {kernels} kernel choices (exact for the tensors; no")
+        lines.append("allocator rounding, fragmentation or kernel workspace); times: predicted by a roofline at the")
+        lines.append("device's peaks (a lower bound).")
         if any(item.seq_capped for item in self.variants):
             lines.append("* the config's longest sequence")
         lines += list(self.notes)
