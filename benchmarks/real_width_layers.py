@@ -2,6 +2,7 @@
 ``runtime.convert`` and ``runtime.convert(compress=8)``, and the targets they are held to.
 
     python benchmarks/real_width_layers.py [--layers bert-large gpt2-xl llama-3-8b ...] [--tokens 4096] [--compiled]
+        [--kernels cpu|cuda] [--merge]
 
 Each layer is the one block of a 1-layer Hugging Face model built from the named width (``memory.saved_bytes`` on the
 block, a batch of one sequence, bfloat16, real tensors: bytes are exact and scale with depth): BERT-large (1024, 16
@@ -18,8 +19,13 @@ dropout masks of ``runtime.dropout``); ``convert``; the same three under ``compr
 block is also run under ``torch.compile`` (``aot_eager_decomp_partition``: inductor's decompositions and
 partitioner, the saved set inductor keeps) and should keep at most what it keeps in eager.
 
+With ``--kernels cuda`` the layers are built and measured under ``runtime.fake.fake_mode(kernels="cuda")``: fake
+tensors with a GPU's kernel choices, where they keep other tensors than this CPU's (native SDPA with dropout in a
+fused kernel, nothing of size S x S; native dropout with a bool mask): exact bytes for those choices, eager only,
+not a run on a GPU. The targets below were set, and are checked, on the CPU's kernels.
+
 Prints KiB per token and the ratio to native, checks the targets below, writes a CSV (``--out``, default
-benchmarks/results/real_width_layers.csv). No timings: the bytes are what this measures.
+benchmarks/results/real_width_layers.csv; column ``kernels``). No timings: the bytes are what this measures.
 """
 
 from __future__ import annotations
