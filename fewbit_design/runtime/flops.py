@@ -47,7 +47,7 @@ def _shape(arguments: dict, name: str) -> list[int] | None:
     return None
 
 
-def attention_flops(arguments: dict, backward: bool) -> float:
+def attention_flops(arguments: dict, backward: bool = False) -> float:
     """SDPA's FLOPs (torch's formulas) for q (B, H, S, D) and k, v at their key/value heads (repeated to H), and
     in backward the value projection a recomputing core runs again (``x`` and ``weight``). q, k and v are tensors
     or their shapes (``q_shape``, ``v_size``)."""

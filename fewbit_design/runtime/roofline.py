@@ -4,8 +4,8 @@ recomputation alike). Works on fake tensors (``FakeTensorMode``): shapes are all
 
 * FLOPs: ``torch.utils.flop_counter``'s formulas (matrix products, convolutions, attention), and for the project's
   custom ops (opaque on fake tensors) the matrix products and attention they run, registered beside each op
-  (:func:`~.flops.register_flops`);
-  other operators count none (elementwise work is memory-bound on every device of :mod:`.devices`).
+  (:func:`~.flops.register_flops`); other operators count none (elementwise work is memory-bound on every device of
+  :mod:`.devices`).
 * Bytes: each operator reads its tensor inputs and writes its outputs once (``numel x element size``); views and
   in-place results of an input move nothing new beyond what they read. The project's custom ops count their inputs
   and outputs too.
@@ -100,7 +100,7 @@ class _RooflineMode(TorchDispatchMode):
         flops = 0.0
         if packet in flop_registry:
             flops = float(flop_registry[packet](*args, **kwargs, out_val=out))
-        elif func.namespace == "fewbit" and func._schema.name in FORMULAS:  # the project's ops: opaque to torch
+        elif func._schema.name in FORMULAS:  # the project's custom ops (fewbit::...): opaque to torch
             names = [argument.name for argument in func._schema.arguments]
             flops = float(FORMULAS[func._schema.name]({**dict(zip(names, args, strict=False)), **kwargs}))
         elif packet in _CPU_FLASH:  # the CPU kernel fake tensors on "cpu" trace: a GPU runs the same attention

@@ -34,6 +34,8 @@ the projection that hands (x, its output) to the core.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from ...errors import FewBitError
@@ -326,9 +328,9 @@ def _dropout_backward(ctx, grad: torch.Tensor):
 
 
 _dropout_attention.register_autograd(_dropout_backward, setup_context=_dropout_setup_context)
-register_flops("value_recompute_attention", "dropout_attention")(lambda arguments: attention_flops(arguments, False))
+register_flops("value_recompute_attention", "dropout_attention")(attention_flops)
 register_flops("value_recompute_attention_backward", "dropout_attention_backward")(
-    lambda arguments: attention_flops(arguments, True)
+    functools.partial(attention_flops, backward=True)
 )
 
 

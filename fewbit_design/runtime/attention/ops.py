@@ -43,6 +43,8 @@ output call); :func:`compressed_attention` is the entry point.
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._eager import eager_twin, tracing
@@ -464,11 +466,9 @@ def _flash_backward(ctx, grad: torch.Tensor, *_unused: torch.Tensor | None):
 
 
 _flash_attention.register_autograd(_flash_backward, setup_context=_flash_setup_context)
-register_flops("compressed_attention", "compressed_attention_flash")(
-    lambda arguments: attention_flops(arguments, False)
-)
+register_flops("compressed_attention", "compressed_attention_flash")(attention_flops)
 register_flops("compressed_attention_backward", "compressed_attention_flash_backward")(
-    lambda arguments: attention_flops(arguments, True)
+    functools.partial(attention_flops, backward=True)
 )
 _FlashAttentionEager = eager_twin(_flash_attention_impl, _flash_setup_context, _flash_backward)
 

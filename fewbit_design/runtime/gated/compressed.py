@@ -77,6 +77,7 @@ from .ops import (
     _activation_backward,
     _gated_forward,
     _wanted_grads,
+    backward_flops,
     mode_entry,
     product_flops,
 )
@@ -338,7 +339,7 @@ def _backward(ctx, grad, *_):
 
 torch.library.register_autograd("fewbit::gated_mlp_compressed", _backward, setup_context=_setup_context)
 register_flops("gated_mlp_compressed")(product_flops)
-register_flops("gated_mlp_compressed_backward")(lambda arguments: product_flops(arguments, passes=2))
+register_flops("gated_mlp_compressed_backward")(backward_flops)
 _GatedCompressedEager = eager_twin(_forward_impl, _setup_context, _backward)
 
 

@@ -32,6 +32,8 @@ True
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -309,8 +311,10 @@ def product_flops(arguments: dict, weights: tuple[str, ...] = ("w_gate", "w_up",
     return 2.0 * passes * rows(first) * size
 
 
+#: the backward's formula: two passes (the input's and the weights' gradients)
+backward_flops = functools.partial(product_flops, passes=2)
 register_flops("gated_mlp")(product_flops)
-register_flops("gated_mlp_backward")(lambda arguments: product_flops(arguments, passes=2))
+register_flops("gated_mlp_backward")(backward_flops)
 
 
 class _ExactGatedMLP(torch.autograd.Function):

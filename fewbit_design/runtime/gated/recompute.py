@@ -37,6 +37,7 @@ from .ops import (
     _backward_exact,
     _gated_forward,
     _wanted_grads,
+    backward_flops,
     fake_parameter_grads,
     mode_entry,
     product_flops,
@@ -155,7 +156,7 @@ register_flops("gated_mlp_recompute")(product_flops)
 @register_flops("gated_mlp_recompute_backward")
 def _backward_flops(arguments: dict) -> float:
     """Backward's two passes, and gate and up again from x's codes."""
-    return product_flops(arguments, passes=2) + product_flops(arguments, ("w_gate", "w_up"))
+    return backward_flops(arguments) + product_flops(arguments, ("w_gate", "w_up"))
 
 
 _GatedRecomputeEager = eager_twin(_forward_impl, _setup_context, _backward)
